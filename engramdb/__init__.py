@@ -1,0 +1,17 @@
+"""EngramDB: a disk-first embedded database engine for Engram / PLE n-gram embedding tables."""
+
+from __future__ import annotations
+
+from engramdb.errors import *  # noqa: F403
+from engramdb.errors import EngramDBError
+
+__version__ = "0.1.0"
+
+__all__ = ["EngramDBError", "__version__"]
+
+from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
+from engramdb.database import Database, open  # noqa: E402,A004
+from engramdb.store import Store  # noqa: E402
+from engramdb.verify import verify  # noqa: E402
+
+__all__ += ["BuildSummary", "Database", "Store", "build", "drop_table", "open", "verify"]

@@ -1,0 +1,3 @@
+from engramdb.cli import main
+
+main()

@@ -1,0 +1,389 @@
+"""``build``: stream sources into a Store-I table and publish it atomically.
+
+Publication protocol (the only writer path; see docs/format.md):
+
+1. take the database lock (``.lock``, ``flock``) for the whole build;
+2. stream every row into shards in a hidden staging directory ``<table>/.staging-<id>``,
+   hashing as they are written, then fsync files and directory;
+3. rename the staging directory to ``<table>/g-<id>`` (still unreferenced, so invisible);
+4. write the new manifest to a temporary file, fsync, ``rename`` over ``manifest.json``,
+   fsync the database directory: this rename is the commit point;
+5. delete what the manifest no longer names (the replaced generation, leftovers of
+   builds that were killed).
+
+A build killed at any step before 4 leaves ``manifest.json`` untouched, and readers only
+ever open files the manifest names.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from engramdb import __version__
+from engramdb.errors import (
+    InvalidArgument,
+    ReadError,
+    SourceError,
+    TableExists,
+)
+from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, plan_geometry
+from engramdb.layouts.manifest import (
+    CHECK_BLOCK_BYTES,
+    EMPTY,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    TableInfo,
+    check_table_name,
+    parse_manifest,
+)
+from engramdb.sources import Segment, SourceLike, resolve_sources
+
+#: Size of the one reusable copy buffer: bounds build memory regardless of table size.
+CHUNK_BYTES = 16 * 1024 * 1024
+LOCK_NAME = ".lock"
+
+
+@dataclass(frozen=True)
+class BuildSummary:
+    table: str
+    rows: int
+    bytes: int
+    shards: int
+    seconds: float
+    path: str
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+    def line(self) -> str:
+        return (
+            f"built table {self.table!r}: {self.rows:,} rows, {self.bytes / 1e9:.3f} GB in "
+            f"{self.shards} shard(s), {self.seconds:.2f} s, {self.gb_per_s:.2f} GB/s"
+        )
+
+
+def _fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def database_lock(db: Path) -> Iterator[None]:
+    """Exclusive writer lock on a database directory (blocks until free)."""
+    fd = os.open(db / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_manifest_or_empty(db: Path) -> Manifest:
+    try:
+        text = (db / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        return EMPTY
+    return parse_manifest(text)
+
+
+def write_manifest(db: Path, manifest: Manifest) -> None:
+    """Atomically replace ``manifest.json`` (temp file + fsync + rename + dir fsync)."""
+    tmp = db / f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, db / MANIFEST_NAME)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(db)
+
+
+def collect_garbage(db: Path, manifest: Manifest) -> None:
+    """Remove generation and staging directories the manifest does not name.
+
+    Only call with the database lock held: an in-flight build's staging directory would
+    otherwise be removed under it.
+    """
+    referenced: set[str] = set()
+    for t in manifest.tables.values():
+        for s in t.shards:
+            referenced.add(s.path.rsplit("/", 1)[0])
+    for tdir in db.iterdir():
+        if not tdir.is_dir() or tdir.name.startswith("."):
+            continue
+        for gen in tdir.iterdir():
+            if gen.is_dir() and (gen.name.startswith("g-") or gen.name.startswith(".staging-")):
+                if f"{tdir.name}/{gen.name}" not in referenced:
+                    shutil.rmtree(gen, ignore_errors=True)
+        if tdir.name not in manifest.tables and not any(tdir.iterdir()):
+            tdir.rmdir()
+    for tmp in db.glob(f".{MANIFEST_NAME}.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+class _ShardWriter:
+    """Writes a byte stream into consecutive shard files of fixed size, hashing each."""
+
+    def __init__(
+        self,
+        directory: Path,
+        rel_dir: str,
+        sizes: Sequence[int],
+        rows: Sequence[int],
+        rows_per_shard: int,
+    ):
+        self._dir, self._rel, self._sizes, self._rows = directory, rel_dir, sizes, rows
+        self._rows_per_shard = rows_per_shard
+        self._index = -1
+        self._fd = -1
+        self._left = 0
+        self._hash = xxhash.xxh3_64()
+        self._block_hash = xxhash.xxh3_64()
+        self._block_left = CHECK_BLOCK_BYTES
+        self._blocks: list[str] = []
+        self.shards: list[ShardInfo] = []
+        self._next()
+
+    def _next(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            i = self._index
+            self.shards.append(
+                ShardInfo(
+                    path=f"{self._rel}/shard-{i:05d}.edb",
+                    first_row=i * self._rows_per_shard,
+                    rows=self._rows[i],
+                    bytes=self._sizes[i],
+                    xxh3_64=self._hash.hexdigest(),
+                    blocks=tuple(self._blocks),
+                )
+            )
+            self._fd = -1
+        self._index += 1
+        if self._index < len(self._sizes):
+            name = self._dir / f"shard-{self._index:05d}.edb"
+            self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._left = self._sizes[self._index]
+            self._hash = xxhash.xxh3_64()
+            self._block_hash = xxhash.xxh3_64()
+            self._block_left = CHECK_BLOCK_BYTES
+            self._blocks = []
+
+    def write(self, data: memoryview) -> None:
+        while len(data):
+            n = min(len(data), self._left, self._block_left)
+            part = data[:n]
+            self._hash.update(part)
+            self._block_hash.update(part)
+            self._block_left -= n
+            if self._block_left == 0 or n == self._left:
+                self._blocks.append(self._block_hash.hexdigest())
+                self._block_hash = xxhash.xxh3_64()
+                self._block_left = CHECK_BLOCK_BYTES
+            done = 0
+            while done < n:
+                done += os.write(self._fd, part[done:])
+            data = data[n:]
+            self._left -= n
+            if self._left == 0:
+                self._next()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _stream_segment(seg: Segment, buf: memoryview) -> Iterator[memoryview]:
+    """Yield the segment's bytes in chunks (file segments reuse ``buf``)."""
+    if seg.array is not None:
+        flat = memoryview(np.ascontiguousarray(seg.array).reshape(-1).view(np.uint8))
+        for start in range(0, seg.nbytes, len(buf)):
+            yield flat[start : start + len(buf)]
+        return
+    assert seg.path is not None
+    with open(seg.path, "rb", buffering=0) as f:
+        f.seek(seg.offset)
+        left = seg.nbytes
+        while left:
+            n = f.readinto(buf[: min(len(buf), left)])
+            if not n:
+                raise ReadError(
+                    f"source {seg.label!r} ended early: {left} bytes missing at offset "
+                    f"{seg.offset + seg.nbytes - left}"
+                )
+            left -= n
+            yield buf[:n]
+
+
+def _parse_heads(heads: Sequence[int] | None) -> list[int] | None:
+    if heads is None:
+        return None
+    out = []
+    for h in heads:
+        if isinstance(h, (bool, np.bool_)) or not isinstance(h, (int, np.integer)) or h <= 0:
+            raise InvalidArgument(f"head sizes must be positive integers, got {h!r}")
+        out.append(int(h))
+    if not out:
+        raise InvalidArgument("heads must not be empty")
+    return out
+
+
+def build(
+    db_path: str | os.PathLike[str],
+    table: str,
+    row_bytes: int,
+    sources: Sequence[SourceLike],
+    *,
+    heads: Sequence[int] | None = None,
+    tensor: str | None = None,
+    dtype: str = "u8",
+    dim: int | None = None,
+    force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    rows_per_badge: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> BuildSummary:
+    """Build (or with ``force`` replace) table ``table`` of the database at ``db_path``.
+
+    ``sources`` are ``.npy`` / ``.bin`` / ``.safetensors`` paths or numpy arrays. Without
+    ``heads`` each source is one head; with ``heads`` the concatenated sources are split into
+    heads of those row counts. ``tensor`` (a glob) selects safetensors tensors across all given
+    files, concatenated in numeric-aware name order. Streams with one 16 MiB buffer;
+    ``progress`` is called with the byte count of each written chunk. The database directory
+    is created if missing. Publication is atomic (see the module docstring).
+    """
+    check_table_name(table)
+    if (
+        isinstance(row_bytes, bool)
+        or not isinstance(row_bytes, (int, np.integer))
+        or row_bytes <= 0
+    ):
+        raise InvalidArgument(f"row_bytes must be a positive integer, got {row_bytes!r}")
+    row_bytes = int(row_bytes)
+    head_sizes = _parse_heads(heads)
+    groups = resolve_sources(sources, row_bytes, tensor=tensor)
+    group_rows = [sum(s.nbytes for s in g) // row_bytes for g in groups]
+    total_rows = sum(group_rows)
+    if head_sizes is None:
+        head_sizes = group_rows
+        if any(r == 0 for r in head_sizes):
+            raise SourceError(f"a source holds no rows (rows per source: {group_rows})")
+    elif sum(head_sizes) != total_rows:
+        raise SourceError(
+            f"heads {head_sizes} sum to {sum(head_sizes)} rows but the sources hold {total_rows}"
+        )
+    segments = [s for g in groups for s in g if s.nbytes]
+    geo = plan_geometry(
+        total_rows, row_bytes, shard_bytes=shard_bytes, rows_per_badge=rows_per_badge
+    )
+    provenance_sources: list[dict[str, Any]] = []
+    first = 0
+    for seg in segments:
+        rows = seg.nbytes // row_bytes
+        provenance_sources.append({"first_row": first, "rows": rows, **seg.meta})
+        first += rows
+
+    db = Path(db_path)
+    db.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with database_lock(db):
+        current = read_manifest_or_empty(db)
+        if table in current.tables and not force:
+            raise TableExists(
+                f"table {table!r} already exists in {str(db)!r}; use force=True / --force"
+            )
+        collect_garbage(db, current)
+        gen_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        tdir = db / table
+        tdir.mkdir(exist_ok=True)
+        staging = tdir / f".staging-{gen_id}"
+        staging.mkdir()
+        final_rel = f"{table}/g-{gen_id}"
+        try:
+            writer = _ShardWriter(
+                staging,
+                final_rel,
+                geo.shard_sizes(),
+                [geo.shard_rows(s) for s in range(geo.n_shards)],
+                geo.rows_per_shard,
+            )
+            try:
+                buf = memoryview(bytearray(CHUNK_BYTES))
+                for seg in segments:
+                    for chunk in _stream_segment(seg, buf):
+                        writer.write(chunk)
+                        if progress is not None:
+                            progress(len(chunk))
+            finally:
+                writer.close()
+            _fsync_dir(staging)
+            os.rename(staging, db / final_rel)
+            _fsync_dir(tdir)
+            info = TableInfo(
+                name=table,
+                row_bytes=row_bytes,
+                heads=tuple(head_sizes),
+                geometry=geo,
+                shards=tuple(writer.shards),
+                dtype=dtype,
+                dim=dim,
+                sources=tuple(provenance_sources),
+                provenance={
+                    "engramdb_version": __version__,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "tensor_glob": tensor,
+                },
+            )
+            new = current.with_table(info)
+            write_manifest(db, new)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(db / final_rel, ignore_errors=True)
+            raise
+        collect_garbage(db, new)
+    seconds = time.perf_counter() - t0
+    return BuildSummary(
+        table=table,
+        rows=total_rows,
+        bytes=geo.table_bytes,
+        shards=geo.n_shards,
+        seconds=seconds,
+        path=str(db),
+    )
+
+
+def drop_table(db_path: str | os.PathLike[str], table: str) -> None:
+    """Remove ``table`` from the database (atomic manifest update, then file removal)."""
+    from engramdb.errors import TableNotFound
+
+    db = Path(db_path)
+    with database_lock(db):
+        current = read_manifest_or_empty(db)
+        if table not in current.tables:
+            raise TableNotFound(f"no table {table!r} in {str(db)!r}")
+        new = current.without_table(table)
+        write_manifest(db, new)
+        shutil.rmtree(db / table, ignore_errors=True)
+        collect_garbage(db, new)

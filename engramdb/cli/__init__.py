@@ -1,0 +1,26 @@
+"""The ``engramdb`` command line: thin click commands, one library call each."""
+
+from __future__ import annotations
+
+import click
+
+from engramdb import __version__
+from engramdb.cli.build_cmd import build_cmd
+from engramdb.cli.demo_cmd import demo_cmd
+from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="engramdb")
+def main() -> None:
+    """EngramDB: a disk-first database for Engram / PLE n-gram embedding tables.
+
+    Typical chain: build -> info / verify -> (index -> view) -> warm -> serve.
+    """
+
+
+main.add_command(build_cmd)
+main.add_command(info_cmd)
+main.add_command(verify_cmd)
+main.add_command(drop_cmd)
+main.add_command(demo_cmd)

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engramdb.build import build
+from engramdb.cli._common import int_list, library_errors
+from engramdb.sources import resolve_sources
+from engramdb.units import parse_size
+
+
+@click.command("build")
+@click.argument("db", type=click.Path(file_okay=False))
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--table", "-t", required=True, help="Table name ([A-Za-z0-9_.-]).")
+@click.option("--row-bytes", "-r", required=True, type=int, help="Bytes per row.")
+@click.option(
+    "--heads",
+    default=None,
+    help="Rows per head, comma-separated (N0,N1,...): split the concatenated sources. "
+    "Default: one head per source.",
+)
+@click.option(
+    "--tensor",
+    default=None,
+    help="Glob of safetensors tensor names to take across all SOURCES, concatenated "
+    "in numeric-aware name order.",
+)
+@click.option(
+    "--dtype",
+    default="u8",
+    show_default=True,
+    help="Dtype hint recorded in the manifest (e.g. fp8_e4m3, fp8_e4m3+ue8m0, bf16).",
+)
+@click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
+@click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
+@click.option("--force", is_flag=True, help="Replace the table if it exists.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def build_cmd(
+    db: str,
+    sources: tuple[str, ...],
+    table: str,
+    row_bytes: int,
+    heads: str | None,
+    tensor: str | None,
+    dtype: str,
+    dim: int | None,
+    shard_size: str,
+    force: bool,
+    quiet: bool,
+) -> None:
+    """Build table TABLE of database DB from SOURCES (.npy, raw .bin, .safetensors).
+
+    Streams with bounded memory and publishes atomically: a failed or killed build leaves
+    the previous database exactly as it was.
+    """
+    total = sum(s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g)
+    with click.progressbar(
+        length=total, label=f"building {table}", hidden=quiet, file=sys.stderr
+    ) as bar:
+        summary = build(
+            db,
+            table,
+            row_bytes,
+            list(sources),
+            heads=int_list(heads),
+            tensor=tensor,
+            dtype=dtype,
+            dim=dim,
+            force=force,
+            shard_bytes=parse_size(shard_size),
+            progress=bar.update,
+        )
+    click.echo(summary.line())

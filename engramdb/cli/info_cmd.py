@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from engramdb.build import drop_table
+from engramdb.cli._common import library_errors
+from engramdb.database import Database
+from engramdb.units import format_bytes
+from engramdb.verify import total_bytes, verify
+
+
+@click.command("info")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest and sizes as JSON.")
+@library_errors
+def info_cmd(db: str, as_json: bool) -> None:
+    """Describe the tables of database DB (reads only the manifest and shard sizes)."""
+    with Database(db) as d:
+        doc = d.info()
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+        return
+    click.echo(
+        f"database {doc['path']} (generation {doc['generation']}, {len(doc['tables'])} table(s))"
+    )
+    for name, t in doc["tables"].items():
+        heads = [h["rows"] for h in t["heads"]]
+        click.echo(
+            f"  {name}: {t['n_rows']:,} rows x {t['row_bytes']} B = {format_bytes(t['bytes'])}, "
+            f"{len(heads)} head(s), dtype {t['dtype']}, {len(t['shards'])} shard(s), "
+            f"{t['layout']['rows_per_badge']:,} rows/badge"
+        )
+        if len(heads) <= 32:
+            click.echo(f"    heads: {heads}")
+
+
+@click.command("verify")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@click.option("--table", "-t", "tables", multiple=True, help="Only these tables (repeatable).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def verify_cmd(db: str, tables: tuple[str, ...], quiet: bool) -> None:
+    """Recompute every shard checksum of DB. Exit status 1 names each bad table, shard and
+    byte range."""
+    names = list(tables) or None
+    with click.progressbar(
+        length=total_bytes(db, names), label="verifying", hidden=quiet, file=sys.stderr
+    ) as bar:
+        problems = verify(db, tables=names, progress=bar.update)
+    if problems:
+        for p in problems:
+            click.echo(f"MISMATCH {p.line()}", err=True)
+        sys.exit(1)
+    click.echo("ok: every shard matches its manifest checksum")
+
+
+@click.command("drop")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@click.option("--table", "-t", required=True, help="Table to remove.")
+@library_errors
+def drop_cmd(db: str, table: str) -> None:
+    """Remove TABLE from DB (atomic manifest update, then its files)."""
+    drop_table(db, table)
+    click.echo(f"dropped table {table!r}")

@@ -1,0 +1,119 @@
+"""`Database`: an open database directory, a `Store` per table."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engramdb.errors import CorruptManifest, DatabaseNotFound, StoreClosed, TableNotFound
+from engramdb.layouts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from engramdb.store import Store, open_shards
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Parse ``<path>/manifest.json``; `DatabaseNotFound` if there is none."""
+    mpath = Path(path) / MANIFEST_NAME
+    try:
+        with builtins.open(mpath, "rb") as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DatabaseNotFound(
+            f"no EngramDB database at {str(path)!r} (no {MANIFEST_NAME})"
+        ) from None
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise CorruptManifest(f"manifest of {str(path)!r} exceeds {MAX_MANIFEST_BYTES} bytes")
+    return parse_manifest(text)
+
+
+class Database:
+    """A snapshot of a database: the manifest read at open, its tables opened on first use.
+
+    Opening checks every shard's size against the manifest (a truncated shard is an error
+    here, not garbage later). A concurrent rebuild does not disturb an open database: it
+    keeps reading the files of the generation it opened.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, backend: str = "auto", populate: bool = False
+    ):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.backend = backend
+        self._stores: dict[str, Store] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        for info in self.manifest.tables.values():
+            for fd in open_shards(self.path, info):
+                os.close(fd)
+        if populate:
+            for name in self.tables:
+                self[name].populate()
+
+    @property
+    def tables(self) -> list[str]:
+        return sorted(self.manifest.tables)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.manifest.tables
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables)
+
+    def __len__(self) -> int:
+        return len(self.manifest.tables)
+
+    def __getitem__(self, name: str) -> Store:
+        if self._closed:
+            raise StoreClosed(f"database {str(self.path)!r} is closed")
+        with self._lock:
+            store = self._stores.get(name)
+            if store is None:
+                info = self.manifest.tables.get(name)
+                if info is None:
+                    raise TableNotFound(
+                        f"no table {name!r} in {str(self.path)!r} (tables: {self.tables})"
+                    )
+                store = Store(self.path, info)
+                self._stores[name] = store
+            return store
+
+    def info(self) -> dict[str, Any]:
+        """The manifest as a plain dict plus per-table sizes (no I/O beyond open)."""
+        doc: dict[str, Any] = {
+            "path": str(self.path),
+            "generation": self.manifest.generation,
+            "tables": {},
+        }
+        for name, t in sorted(self.manifest.tables.items()):
+            d = t.to_dict()
+            d["bytes"] = t.n_rows * t.row_bytes
+            doc["tables"][name] = d
+        return doc
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._stores.values():
+                s.close()
+            self._stores.clear()
+            self._closed = True
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Database {str(self.path)!r} tables={self.tables}>"
+
+
+def open(
+    path: str | os.PathLike[str], *, backend: str = "auto", populate: bool = False
+) -> Database:  # noqa: A001
+    """Open the database at ``path``. ``populate=True`` faults every table into the page
+    tables first (reads it from the device if cold)."""
+    return Database(path, backend=backend, populate=populate)

@@ -1,0 +1,95 @@
+"""Every exception EngramDB raises.
+
+`EngramDBError` is the root. Each subclass also inherits the builtin exception that a caller
+would naturally catch for that kind of violation (``IndexError`` for an out-of-range id,
+``TypeError`` for a wrong dtype, ``OSError`` for a corrupt file), so code written against
+plain numpy keeps working.
+"""
+
+from __future__ import annotations
+
+
+class EngramDBError(Exception):
+    """Root of every EngramDB error."""
+
+
+# --- caller input -------------------------------------------------------------------------
+class InvalidArgument(EngramDBError, ValueError):
+    """A value is outside what the call accepts (bad size, bad name, bad option)."""
+
+
+class InvalidDtype(EngramDBError, TypeError):
+    """An array has the wrong dtype, or a non-array was given where an array is required."""
+
+
+class InvalidLayout(EngramDBError, TypeError):
+    """An array has the right dtype but the wrong memory layout (non-contiguous, read-only)."""
+
+
+class ShapeMismatch(EngramDBError, ValueError):
+    """An array's shape does not match what the call requires."""
+
+
+class RowIdOutOfRange(EngramDBError, IndexError):
+    """A row id is negative or not below the table's (or head's) row count."""
+
+
+class TokenIdOutOfRange(EngramDBError, IndexError):
+    """A token id is outside the model's vocabulary."""
+
+
+# --- database state -----------------------------------------------------------------------
+class TableNotFound(EngramDBError, KeyError):
+    """No table (or view) of that name in the database."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TableExists(EngramDBError, FileExistsError):
+    """The table already exists and the call did not ask to replace it."""
+
+
+class DatabaseNotFound(EngramDBError, FileNotFoundError):
+    """The path holds no EngramDB database."""
+
+
+class SourceError(EngramDBError, ValueError):
+    """A build source cannot be used as given (wrong size, unknown format, missing tensor)."""
+
+
+class StoreClosed(EngramDBError, ValueError):
+    """The database or store was closed."""
+
+
+class StaleView(EngramDBError, ValueError):
+    """A view was built from a different version of its table."""
+
+
+# --- file integrity -----------------------------------------------------------------------
+class CorruptFile(EngramDBError, OSError):
+    """A file's contents disagree with what the manifest or format requires."""
+
+
+class CorruptManifest(CorruptFile):
+    """The manifest cannot be parsed or violates the format."""
+
+
+class TruncatedFile(CorruptFile):
+    """A file is shorter than the manifest says."""
+
+
+class ChecksumMismatch(CorruptFile):
+    """A file's checksum differs from the manifest's."""
+
+
+class ReadError(EngramDBError, OSError):
+    """A read failed (EIO, EBADF, short read) at a named file and offset."""
+
+
+class BackendUnavailable(EngramDBError, RuntimeError):
+    """An I/O backend cannot run here (kernel, sandbox, platform); the message says why."""
+
+
+class MissingDependency(EngramDBError, ImportError):
+    """An optional extra is needed; the message names it."""

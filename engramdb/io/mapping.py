@@ -1,0 +1,177 @@
+"""One contiguous read-only mapping over many shard files, plus madvise helpers.
+
+Shards are mapped back to back into a single reserved virtual range (``MAP_FIXED`` over a
+``PROT_NONE`` reservation), so a table of many shards is still one ``[n_rows, row_bytes]``
+numpy array and a gather never groups ids by shard. Every shard but the last is a whole
+number of pages (the badge rule guarantees it), so row ``r`` sits at byte ``r * row_bytes``.
+
+madvise goes through ctypes rather than ``mmap.madvise`` because ctypes releases the GIL for
+the duration of the call: populating a mapping can then run in background threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from engramdb.errors import InvalidArgument, ReadError, StoreClosed
+from engramdb.layouts.geometry import PAGE
+
+PROT_NONE, PROT_READ = 0x0, 0x1
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 2, 3, 4
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    """``madvise(2)`` through ctypes (releases the GIL). Raises `OSError` on failure."""
+    if length <= 0:
+        return
+    start = addr & ~(PAGE - 1)
+    length += addr - start
+    if _libc.madvise(start, length, advice) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"madvise(advice={advice}) failed: {os.strerror(e)}")
+
+
+class ShardMapping:
+    """Read-only mapping of shard files laid end to end.
+
+    ``fds`` are open read-only descriptors (the caller keeps ownership), ``sizes`` their
+    byte lengths. ``array(n_rows, row_bytes)`` returns a zero-copy 2-D view; it is valid
+    until `close`. Construction is cheap (no data is read).
+    """
+
+    def __init__(self, fds: Sequence[int], sizes: Sequence[int], *, random_access: bool = True):
+        if len(fds) != len(sizes):
+            raise InvalidArgument("fds and sizes differ in length")
+        for i, s in enumerate(sizes[:-1]):
+            if s % PAGE:
+                raise InvalidArgument(f"shard {i} size {s} is not a page multiple")
+        self._spans = [_round_up(s, PAGE) for s in sizes]
+        self.length = sum(int(s) for s in sizes)
+        self._reserved = max(PAGE, sum(self._spans))
+        self._lock = threading.Lock()
+        base = _libc.mmap(
+            None, self._reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
+        )
+        if base in (None, _MAP_FAILED):
+            e = ctypes.get_errno()
+            raise OSError(e, f"cannot reserve {self._reserved} bytes: {os.strerror(e)}")
+        self._base: int | None = int(base)
+        try:
+            pos = self._base
+            for fd, span in zip(fds, self._spans):
+                if span:
+                    got = _libc.mmap(pos, span, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
+                    if got in (None, _MAP_FAILED) or got != pos:
+                        e = ctypes.get_errno()
+                        raise OSError(e, f"cannot map fd {fd}: {os.strerror(e)}")
+                pos += span
+            if random_access and self.length:
+                # Cold faults through a mapping otherwise pull megabytes of read-ahead per row.
+                madvise(self._base, self.length, MADV_RANDOM)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def address(self) -> int:
+        if self._base is None:
+            raise StoreClosed("mapping is closed")
+        return self._base
+
+    def array(self, n_rows: int, row_bytes: int) -> np.ndarray:
+        """Zero-copy ``[n_rows, row_bytes]`` uint8 view over the mapping (read-only)."""
+        nbytes = n_rows * row_bytes
+        if nbytes > self.length:
+            raise InvalidArgument(f"{n_rows} rows x {row_bytes} B exceed the mapping")
+        if nbytes == 0:
+            return np.zeros((n_rows, row_bytes), dtype=np.uint8)
+        buf = (ctypes.c_uint8 * nbytes).from_address(self.address)
+        arr = np.frombuffer(buf, dtype=np.uint8).reshape(n_rows, row_bytes)
+        arr.flags.writeable = False
+        return arr
+
+    def populate(self, *, threads: int = 2, chunk: int = 64 * 1024 * 1024) -> None:
+        """Fault every page into the page tables (reads cold pages from the device).
+
+        Uses ``MADV_POPULATE_READ`` in ``threads`` background threads, chunk by chunk; on
+        kernels without it, falls back to ``MADV_WILLNEED`` per chunk (which only starts I/O).
+        Cost: one pass over the table at device speed when cold, ~0.1 s/GB when resident.
+        """
+        base, length = self.address, self.length
+        if length == 0:
+            return
+        starts = list(range(0, length, chunk))
+
+        def one(off: int) -> None:
+            n = min(chunk, length - off)
+            try:
+                madvise(base + off, n, MADV_POPULATE_READ)
+            except OSError as e:
+                if e.errno == errno.EINVAL:  # kernel < 5.14: no POPULATE_READ
+                    madvise(base + off, n, MADV_WILLNEED)
+                elif e.errno == errno.EFAULT:
+                    raise ReadError(f"populate hit an unreadable page near byte {off}") from e
+                else:
+                    raise
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            list(pool.map(one, starts))
+
+    def advise(self, advice: int) -> None:
+        madvise(self.address, self.length, advice)
+
+    def residency(self) -> float:
+        """Fraction (0..1) of the mapping's pages resident in the page cache (``mincore``)."""
+        if self.length == 0:
+            return 1.0
+        pages = -(-self.length // PAGE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if _libc.mincore(self.address, pages * PAGE, vec.ctypes.data) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mincore failed: {os.strerror(e)}")
+        return float(np.count_nonzero(vec & 1)) / pages
+
+    def close(self) -> None:
+        with self._lock:
+            if self._base is not None:
+                _libc.munmap(self._base, self._reserved)
+                self._base = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,247 @@
+"""The manifest schema (``manifest.json``), parsed and checked without touching any file.
+
+The manifest is the only source of truth about a database: which tables exist, their
+geometry, and every shard's path, size and xxh3-64 checksum. Files it does not name are
+invisible to readers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engramdb.errors import CorruptManifest, InvalidArgument
+from engramdb.layouts.geometry import HUGE_PAGE, TableGeometry
+
+FORMAT_NAME = "engramdb"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+#: Manifests larger than this are refused before parsing (a 128-shard table is ~40 KB).
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Granularity of the per-block checksums each shard entry carries.
+CHECK_BLOCK_BYTES = 64 * 1024 * 1024
+
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_HEX64 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_table_name(name: str) -> str:
+    """Return ``name`` if it is a valid table name, else raise `InvalidArgument`."""
+    if not isinstance(name, str) or not _TABLE_NAME.match(name) or name in (".", ".."):
+        raise InvalidArgument(
+            f"invalid table name {name!r}: use 1-128 characters from [A-Za-z0-9_.-], "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str  # relative to the database directory, '/'-separated
+    first_row: int
+    rows: int
+    bytes: int
+    xxh3_64: str
+    #: xxh3-64 of each CHECK_BLOCK_BYTES block of the shard, so `verify` can name a byte range.
+    blocks: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "first_row": self.first_row,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "xxh3_64": self.xxh3_64,
+            "blocks": list(self.blocks),
+        }
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    row_bytes: int
+    heads: tuple[int, ...]
+    geometry: TableGeometry
+    shards: tuple[ShardInfo, ...]
+    dtype: str = "u8"
+    dim: int | None = None
+    sources: tuple[dict[str, Any], ...] = ()
+    provenance: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return self.geometry.n_rows
+
+    @property
+    def head_offsets(self) -> np.ndarray:
+        """Exclusive prefix sum of ``heads`` (int64): the global id of each head's row 0."""
+        h = np.asarray(self.heads, dtype=np.int64)
+        return np.concatenate([np.zeros(1, np.int64), np.cumsum(h)[:-1]]) if len(h) else h
+
+    def to_dict(self) -> dict[str, Any]:
+        offs = self.head_offsets.tolist()
+        d: dict[str, Any] = {
+            "row_bytes": self.row_bytes,
+            "n_rows": self.n_rows,
+            "dtype": self.dtype,
+            "dim": self.dim,
+            "heads": [{"rows": r, "offset": o} for r, o in zip(self.heads, offs)],
+            "layout": self.geometry.to_dict(),
+            "shards": [s.to_dict() for s in self.shards],
+            "sources": list(self.sources),
+            "provenance": dict(self.provenance),
+        }
+        d.update(self.extra)
+        return d
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tables: dict[str, TableInfo]
+    generation: int = 0
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "generation": self.generation,
+            "tables": {name: t.to_dict() for name, t in sorted(self.tables.items())},
+        }
+        return json.dumps(doc, indent=1, sort_keys=False) + "\n"
+
+    def with_table(self, table: TableInfo) -> Manifest:
+        tables = dict(self.tables)
+        tables[table.name] = table
+        return Manifest(tables=tables, generation=self.generation + 1)
+
+    def without_table(self, name: str) -> Manifest:
+        tables = {k: v for k, v in self.tables.items() if k != name}
+        return Manifest(tables=tables, generation=self.generation + 1)
+
+
+def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CorruptManifest(f"manifest: {where} lacks field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
+        raise CorruptManifest(f"manifest: {where}.{key} has the wrong type ({v!r})")
+    return v
+
+
+def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
+    where = f"table {name!r}"
+    try:
+        check_table_name(name)
+    except InvalidArgument as e:
+        raise CorruptManifest(f"manifest: {e}") from None
+    row_bytes = _req(d, "row_bytes", int, where)
+    n_rows = _req(d, "n_rows", int, where)
+    heads_doc = _req(d, "heads", list, where)
+    heads = tuple(_req(h, "rows", int, f"{where}.heads[{i}]") for i, h in enumerate(heads_doc))
+    if not heads or any(h <= 0 for h in heads) or sum(heads) != n_rows:
+        raise CorruptManifest(
+            f"manifest: {where} heads {list(heads)} do not sum to n_rows {n_rows}"
+        )
+    offset = 0
+    for i, h in enumerate(heads_doc):
+        if h.get("offset", offset) != offset:
+            raise CorruptManifest(f"manifest: {where}.heads[{i}].offset is not the prefix sum")
+        offset += h["rows"]
+    layout = _req(d, "layout", dict, where)
+    if layout.get("kind") != "compact":
+        raise CorruptManifest(f"manifest: {where} has unknown layout kind {layout.get('kind')!r}")
+    if layout.get("alignment", HUGE_PAGE) != HUGE_PAGE:
+        raise CorruptManifest(f"manifest: {where} has unsupported alignment")
+    try:
+        geo = TableGeometry(
+            n_rows=n_rows,
+            row_bytes=row_bytes,
+            rows_per_badge=_req(layout, "rows_per_badge", int, f"{where}.layout"),
+            rows_per_shard=_req(layout, "rows_per_shard", int, f"{where}.layout"),
+        )
+    except InvalidArgument as e:
+        raise CorruptManifest(f"manifest: {where}: {e}") from None
+    shards_doc = _req(d, "shards", list, where)
+    if len(shards_doc) != geo.n_shards:
+        raise CorruptManifest(
+            f"manifest: {where} lists {len(shards_doc)} shards, geometry needs {geo.n_shards}"
+        )
+    shards = []
+    for i, s in enumerate(shards_doc):
+        sw = f"{where}.shards[{i}]"
+        info = ShardInfo(
+            path=_req(s, "path", str, sw),
+            first_row=_req(s, "first_row", int, sw),
+            rows=_req(s, "rows", int, sw),
+            bytes=_req(s, "bytes", int, sw),
+            xxh3_64=_req(s, "xxh3_64", str, sw),
+            blocks=tuple(s.get("blocks", [])),
+        )
+        if (
+            info.first_row != i * geo.rows_per_shard
+            or info.rows != geo.shard_rows(i)
+            or info.bytes != info.rows * row_bytes
+        ):
+            raise CorruptManifest(f"manifest: {sw} disagrees with the table geometry")
+        n_blocks = -(-info.bytes // CHECK_BLOCK_BYTES)
+        if info.blocks and (
+            len(info.blocks) != n_blocks or not all(_HEX64.match(b) for b in info.blocks)
+        ):
+            raise CorruptManifest(f"manifest: {sw}.blocks does not hold {n_blocks} checksums")
+        if not _HEX64.match(info.xxh3_64):
+            raise CorruptManifest(f"manifest: {sw}.xxh3_64 is not 16 hex digits")
+        if info.path.startswith("/") or ".." in info.path.split("/"):
+            raise CorruptManifest(f"manifest: {sw}.path {info.path!r} leaves the database")
+        shards.append(info)
+    known = {
+        "row_bytes",
+        "n_rows",
+        "dtype",
+        "dim",
+        "heads",
+        "layout",
+        "shards",
+        "sources",
+        "provenance",
+    }
+    dim = d.get("dim")
+    return TableInfo(
+        name=name,
+        row_bytes=row_bytes,
+        heads=heads,
+        geometry=geo,
+        shards=tuple(shards),
+        dtype=str(d.get("dtype", "u8")),
+        dim=int(dim) if isinstance(dim, int) else None,
+        sources=tuple(d.get("sources", [])),
+        provenance=dict(d.get("provenance", {})),
+        extra={k: v for k, v in d.items() if k not in known},
+    )
+
+
+def parse_manifest(text: str | bytes) -> Manifest:
+    """Parse and validate manifest JSON; any violation raises `CorruptManifest`."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptManifest(f"manifest is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptManifest("manifest: 'format' is not 'engramdb'")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CorruptManifest(
+            f"manifest: format_version {version!r} is not supported (this engine reads "
+            f"{FORMAT_VERSION})"
+        )
+    tables_doc = _req(doc, "tables", dict, "top level")
+    tables = {name: _parse_table(name, t) for name, t in tables_doc.items()}
+    gen = doc.get("generation", 0)
+    return Manifest(tables=tables, generation=int(gen) if isinstance(gen, int) else 0)
+
+
+EMPTY = Manifest(tables={}, generation=0)

@@ -1,0 +1,111 @@
+"""Argument checks shared by every read path. Each raises a typed error naming the bad value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engramdb.errors import (
+    InvalidDtype,
+    InvalidLayout,
+    RowIdOutOfRange,
+    ShapeMismatch,
+)
+
+
+def as_rowids(rowids: Any) -> np.ndarray:
+    """Row ids as an int64 array (any integer dtype or a list of ints; floats/bools refused)."""
+    arr = rowids if isinstance(rowids, np.ndarray) else np.asarray(rowids)
+    if arr.dtype == np.int64:
+        return arr
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(rowids, np.ndarray):
+            return arr.astype(np.int64)  # [] parses as float64
+        raise InvalidDtype(f"row ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        pos = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise RowIdOutOfRange(f"row id {int(arr.flat[pos])} at position {pos} is out of range")
+    return arr.astype(np.int64)
+
+
+def first_bad(flat: np.ndarray, limit: np.ndarray | int) -> int:
+    """Position of the first id outside ``[0, limit)`` (``limit`` may broadcast per head)."""
+    bad = (flat < 0) | (flat >= limit)
+    return int(np.argmax(bad.reshape(-1)))
+
+
+def format_position(pos: int, shape: tuple[int, ...] | None) -> str:
+    if shape is None or len(shape) <= 1:
+        return str(pos)
+    return str(tuple(int(i) for i in np.unravel_index(pos, shape)))
+
+
+def check_bounds(
+    flat: np.ndarray, n_rows: int, *, shape: tuple[int, ...] | None = None, what: str = "row id"
+) -> None:
+    """Raise `RowIdOutOfRange` unless every id of the int64 array is in ``[0, n_rows)``.
+
+    One vectorised pass: viewed as uint64, negative ids become huge, so ``max < n`` checks
+    both ends at once.
+    """
+    if flat.size == 0:
+        return
+    if int(flat.view(np.uint64).max()) < n_rows:
+        return
+    pos = first_bad(flat.reshape(-1), n_rows)
+    raise RowIdOutOfRange(
+        f"{what} {int(flat.reshape(-1)[pos])} at position {format_position(pos, shape)} is out "
+        f"of range [0, {n_rows})"
+    )
+
+
+def check_output(out: Any, shape: tuple[int, ...], *, name: str = "out") -> np.ndarray:
+    """``out`` must be a writable, C-contiguous uint8 ndarray of exactly ``shape``."""
+    if not isinstance(out, np.ndarray):
+        raise InvalidDtype(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != np.uint8:
+        raise InvalidDtype(f"{name} must have dtype uint8, got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise InvalidLayout(f"{name} must be C-contiguous")
+    if not out.flags.writeable:
+        raise InvalidLayout(f"{name} must be writable")
+    if out.shape != shape:
+        raise ShapeMismatch(f"{name} has shape {out.shape}, expected {shape}")
+    return out
+
+
+def check_lookup_ids(row_ids: Any, n_heads: int) -> np.ndarray:
+    """Mooncake-style ids: an int64 C-contiguous ndarray ``[B, L, H]``; no conversions."""
+    if not isinstance(row_ids, np.ndarray):
+        raise InvalidDtype(f"row_ids must be a numpy.ndarray, got {type(row_ids).__name__}")
+    if row_ids.dtype != np.int64:
+        raise InvalidDtype(f"row_ids must have dtype int64, got {row_ids.dtype}")
+    if not row_ids.flags.c_contiguous:
+        raise InvalidLayout("row_ids must be C-contiguous")
+    if row_ids.ndim != 3:
+        raise ShapeMismatch(f"row_ids must be [B, L, H], got shape {row_ids.shape}")
+    if row_ids.shape[2] != n_heads:
+        raise ShapeMismatch(
+            f"row_ids last dimension is {row_ids.shape[2]}, the table has {n_heads} heads"
+        )
+    return row_ids
+
+
+def check_head_bounds(local: np.ndarray, heads: np.ndarray) -> None:
+    """Every ``local[..., h]`` must be in ``[0, heads[h])``; the error names head and position."""
+    if local.size == 0:
+        return
+    h = len(heads)
+    per_head_max = local.reshape(-1, h).view(np.uint64).max(axis=0)
+    if bool((per_head_max < heads.astype(np.uint64)).all()):
+        return
+    flat = local.reshape(-1)
+    limits = np.tile(heads, flat.size // h)
+    pos = first_bad(flat, limits)
+    idx = np.unravel_index(pos, local.shape)
+    head = int(idx[-1])
+    raise RowIdOutOfRange(
+        f"row id {int(flat[pos])} at position {tuple(int(i) for i in idx)} is out of range for "
+        f"head {head} ([0, {int(heads[head])}))"
+    )

@@ -1,0 +1,66 @@
+"""Shared probe plumbing: interleaved repetitions, medians, ratios, RSS, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def vm_hwm_mb(pid: str = "self") -> float:
+    """Peak resident set size (VmHWM) in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rate(fn: Callable[[], int], seconds: float) -> float:
+    """Calls ``fn`` (returning the units it did) for about ``seconds``; units per second."""
+    done = 0
+    t0 = time.perf_counter()
+    while True:
+        done += fn()
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return done / dt
+
+
+def interleave(
+    arms: dict[str, Callable[[], float]], reps: int, echo: Callable[[str], None] = print
+) -> dict[str, list[float]]:
+    """Run each arm once per repetition, alternating the order (ABAB / BABA), and print
+    every figure. The first arm is also run once more at the very end (baseline drift)."""
+    names = list(arms)
+    results: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        order = names if r % 2 == 0 else names[::-1]
+        row = []
+        for n in order:
+            v = arms[n]()
+            results[n].append(v)
+            row.append(f"{n}={v / 1e6:.2f}M")
+        echo(f"  rep {r}: " + "  ".join(row))
+    return results
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def write_json(name: str, doc: dict[str, Any]) -> Path:
+    OUT_DIR.mkdir(exist_ok=True)
+    path = OUT_DIR / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    return path
+
+
+def cpu_note() -> str:
+    return f"{os.cpu_count()} cpus, pid {os.getpid()}"

@@ -1,0 +1,113 @@
+"""The command line, through click's runner (same process) and one real subprocess."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+import engramdb
+from engramdb.cli import main
+
+
+def run(*args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_build_info_verify(tmp_path: Path, rng: np.random.Generator) -> None:
+    a = rng.integers(0, 256, (100, 264), dtype=np.uint8)
+    np.save(tmp_path / "a.npy", a)
+    db = tmp_path / "db"
+    code, out = run(
+        "build",
+        db,
+        tmp_path / "a.npy",
+        "--table",
+        "l1",
+        "--row-bytes",
+        "264",
+        "--heads",
+        "40,60",
+        "--dtype",
+        "fp8_e4m3+ue8m0",
+        "-q",
+    )
+    assert code == 0, out
+    assert "100 rows" in out and "GB/s" in out
+    code, out = run("info", db)
+    assert code == 0 and "l1: 100 rows x 264 B" in out and "[40, 60]" in out
+    code, out = run("info", db, "--json")
+    doc = json.loads(out)
+    assert doc["tables"]["l1"]["dtype"] == "fp8_e4m3+ue8m0"
+    assert [h["offset"] for h in doc["tables"]["l1"]["heads"]] == [0, 40]
+    code, out = run("verify", db, "-q")
+    assert code == 0 and "ok" in out
+    with engramdb.open(db) as d:
+        assert np.array_equal(d["l1"].fetch(np.arange(100)), a)
+
+
+def test_cli_errors_are_clean(tmp_path: Path, rng: np.random.Generator) -> None:
+    np.save(tmp_path / "a.npy", rng.integers(0, 256, (10, 8), dtype=np.uint8))
+    db = tmp_path / "db"
+    assert run("build", db, tmp_path / "a.npy", "-t", "x", "-r", "8", "-q")[0] == 0
+    code, out = run("build", db, tmp_path / "a.npy", "-t", "x", "-r", "8", "-q")
+    assert code == 1 and "TableExists" in out and "--force" in out
+    assert "Traceback" not in out
+    code, out = run("build", db, tmp_path / "a.npy", "-t", "y", "-r", "9", "-q")
+    assert code == 1 and "SourceError" in out
+    code, out = run("build", db, tmp_path / "a.npy", "-t", "y", "-r", "8", "--heads", "3,x")
+    assert code == 2 and "comma-separated" in out
+    code, out = run("info", tmp_path)
+    assert code == 1 and "DatabaseNotFound" in out
+
+
+def test_verify_reports_corruption(tmp_path: Path, rng: np.random.Generator) -> None:
+    a = rng.integers(0, 256, (64, 8), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 8, [a])
+    shard = tmp_path / engramdb.open(tmp_path).manifest.tables["t"].shards[0].path
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["verify", str(tmp_path), "-q"])
+    assert r.exit_code == 1
+    assert "MISMATCH table 't'" in r.output and "bytes [0, 512)" in r.output
+
+
+def test_drop(tmp_path: Path) -> None:
+    engramdb.build(tmp_path, "t", 8, [np.zeros((4, 8), np.uint8)])
+    code, out = run("drop", tmp_path, "-t", "t")
+    assert code == 0
+    assert engramdb.open(tmp_path).tables == []
+
+
+def test_every_command_has_help() -> None:
+    def walk(group, prefix):  # type: ignore[no-untyped-def]
+        for name, cmd in group.commands.items():
+            assert cmd.help and cmd.help.strip(), f"{prefix} {name} has no help"
+            code, out = run(*(prefix + [name, "--help"]))
+            assert code == 0 and "Usage" in out
+            if hasattr(cmd, "commands"):
+                walk(cmd, prefix + [name])
+
+    walk(main, [])
+
+
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    """The README's main job, as a real subprocess of the installed console script."""
+    exe = shutil.which("engramdb")
+    cmd = [exe] if exe else [sys.executable, "-m", "engramdb"]
+    r = subprocess.run(
+        cmd + ["demo", str(tmp_path / "demo"), "--seconds", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "M rows/s" in r.stdout and "engramdb info" in r.stdout
+    shutil.rmtree(tmp_path / "demo")

@@ -1,0 +1,163 @@
+"""Every bad input raises its typed error; nothing is returned or written half."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb.errors import (
+    EngramDBError,
+    InvalidDtype,
+    InvalidLayout,
+    RowIdOutOfRange,
+    ShapeMismatch,
+    StoreClosed,
+    TableNotFound,
+)
+
+HEADS = [11, 7, 13]
+
+
+@pytest.fixture
+def table(tmp_path: Path, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+    full = rng.integers(0, 256, size=(sum(HEADS), 24), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 24, [full], heads=HEADS)
+    db = engramdb.open(tmp_path)
+    yield db["t"], full
+    db.close()
+
+
+def test_out_of_range_ids_name_id_and_position(table) -> None:  # type: ignore[no-untyped-def]
+    s, _ = table
+    with pytest.raises(RowIdOutOfRange, match=r"row id 31 at position 2") as e:
+        s.fetch([0, 5, 31])
+    assert isinstance(e.value, IndexError) and isinstance(e.value, EngramDBError)
+    with pytest.raises(IndexError, match=r"row id -1 at position 1"):
+        s.fetch(np.array([3, -1, 99]))
+    with pytest.raises(IndexError, match=r"position \(1, 0\)"):
+        s.fetch(np.array([[1, 2], [400, 3]]))
+
+
+def test_bad_dtypes_rejected(table) -> None:  # type: ignore[no-untyped-def]
+    s, _ = table
+    with pytest.raises(InvalidDtype, match="float64"):
+        s.fetch(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError):
+        s.fetch(np.array([True, False]))
+    with pytest.raises(RowIdOutOfRange):
+        s.fetch(np.array([2**63 + 5], dtype=np.uint64))
+
+
+def test_other_integer_dtypes_and_empty(table) -> None:  # type: ignore[no-untyped-def]
+    s, full = table
+    assert np.array_equal(s.fetch(np.array([1, 30], dtype=np.int32)), full[[1, 30]])
+    assert np.array_equal(s.fetch(np.array([1, 30], dtype=np.uint16)), full[[1, 30]])
+    assert s.fetch([]).shape == (0, 24)
+    assert s.fetch(np.zeros((0, 3), np.int64)).shape == (0, 3, 24)
+
+
+def test_fetch_into_validation(table) -> None:  # type: ignore[no-untyped-def]
+    s, full = table
+    ids = np.array([1, 2, 3])
+    with pytest.raises(ShapeMismatch):
+        s.fetch_into(ids, np.empty((3, 23), np.uint8))
+    with pytest.raises(InvalidDtype):
+        s.fetch_into(ids, np.empty((3, 24), np.int8))
+    with pytest.raises(InvalidLayout):
+        s.fetch_into(ids, np.empty((24, 3), np.uint8).T)
+    ro = np.zeros((3, 24), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidLayout, match="writable"):
+        s.fetch_into(ids, ro)
+    out = np.full((3, 24), 7, np.uint8)
+    with pytest.raises(RowIdOutOfRange):
+        s.fetch_into(np.array([1, 2, 31]), out)
+    assert (out == 7).all(), "a rejected batch must leave the output untouched"
+    s.fetch_into(ids, out)
+    assert np.array_equal(out, full[ids])
+
+
+def _local(b: int, l: int, rng: np.random.Generator) -> np.ndarray:  # noqa: E741
+    return np.ascontiguousarray(
+        np.stack([rng.integers(0, h, size=(b, l)) for h in HEADS], axis=-1), dtype=np.int64
+    )
+
+
+def test_lookup_into_validation_list(table, rng: np.random.Generator) -> None:  # type: ignore[no-untyped-def]
+    s, full = table
+    ids = _local(2, 4, rng)
+    out = np.empty((2, 4, 3, 24), np.uint8)
+    with pytest.raises(InvalidDtype):
+        s.lookup_into(ids.tolist(), out)  # a list: no implicit conversion
+    with pytest.raises(InvalidDtype, match="int32"):
+        s.lookup_into(ids.astype(np.int32), out)
+    with pytest.raises(InvalidLayout):
+        s.lookup_into(np.asfortranarray(ids), out)
+    with pytest.raises(ShapeMismatch):
+        s.lookup_into(ids.reshape(8, 3), out)
+    with pytest.raises(ShapeMismatch, match="3 heads"):
+        s.lookup_into(ids[..., :2].copy(), out[..., :2, :].copy())
+    with pytest.raises(ShapeMismatch):
+        s.lookup_into(ids, np.empty((2, 4, 3, 25), np.uint8))
+    with pytest.raises(InvalidDtype):
+        s.lookup_into(ids, out.tolist())
+    ro = np.empty_like(out)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidLayout):
+        s.lookup_into(ids, ro)
+    with pytest.raises(InvalidLayout):
+        s.lookup_into(ids, np.empty((24, 3, 4, 2), np.uint8).T)
+    s.lookup_into(ids, out)
+    assert np.array_equal(out, full[ids + s.head_offsets])
+
+
+def test_lookup_into_head_bounds_at_every_boundary(table) -> None:  # type: ignore[no-untyped-def]
+    """A global id passed where a local one is expected is caught at each head boundary."""
+    s, full = table
+    for h, n in enumerate(HEADS):
+        ids = np.zeros((1, 2, 3), np.int64)
+        ids[0, 1, h] = n - 1
+        out = np.empty((1, 2, 3, 24), np.uint8)
+        s.lookup_into(ids, out)
+        assert np.array_equal(out[0, 1, h], full[s.head_offsets[h] + n - 1])
+        ids[0, 1, h] = n
+        out[:] = 9
+        with pytest.raises(RowIdOutOfRange, match=f"head {h}") as e:
+            s.lookup_into(ids, out)
+        assert "(0, 1, " in str(e.value)
+        assert (out == 9).all()
+        ids[0, 1, h] = -1
+        with pytest.raises(IndexError):
+            s.lookup_into(ids, out)
+
+
+def test_lookup_into_empty_batch_is_noop(table) -> None:  # type: ignore[no-untyped-def]
+    s, _ = table
+    s.lookup_into(np.zeros((0, 5, 3), np.int64), np.empty((0, 5, 3, 24), np.uint8))
+
+
+def test_closed_store_and_unknown_table(tmp_path: Path, rng: np.random.Generator) -> None:
+    engramdb.build(tmp_path, "t", 8, [rng.integers(0, 256, (10, 8), dtype=np.uint8)])
+    db = engramdb.open(tmp_path)
+    s = db["t"]
+    with pytest.raises(TableNotFound, match="nope"):
+        db["nope"]
+    with pytest.raises(KeyError):
+        db["nope"]
+    db.close()
+    with pytest.raises(StoreClosed):
+        s.fetch([1])
+    with pytest.raises(StoreClosed):
+        db["t"]
+
+
+def test_open_missing_database(tmp_path: Path) -> None:
+    from engramdb.errors import DatabaseNotFound
+
+    with pytest.raises(DatabaseNotFound):
+        engramdb.open(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError):
+        engramdb.open(tmp_path)
