@@ -11,7 +11,18 @@ __all__ = ["EngramDBError", "__version__"]
 
 from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
 from engramdb.database import Database, open  # noqa: E402,A004
+from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
 from engramdb.store import Store  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
 
-__all__ += ["BuildSummary", "Database", "Store", "build", "drop_table", "open", "verify"]
+__all__ += [
+    "BuildSummary",
+    "Database",
+    "EngramStore",
+    "EngramStoreConfig",
+    "Store",
+    "build",
+    "drop_table",
+    "open",
+    "verify",
+]

@@ -93,3 +93,30 @@ class BackendUnavailable(EngramDBError, RuntimeError):
 
 class MissingDependency(EngramDBError, ImportError):
     """An optional extra is needed; the message names it."""
+
+
+# --- engine adapters ----------------------------------------------------------------------
+# The Mooncake EngramStore binding raises RuntimeError for most lookup failures; these classes
+# also inherit RuntimeError so callers written against it keep catching what they caught.
+class UnknownLayer(EngramDBError, ValueError, RuntimeError):
+    """An operation named a layer id the EngramStore was not configured with."""
+
+
+class LayerNotReady(EngramDBError, RuntimeError):
+    """The layer is configured but has no table yet (not populated, not bound)."""
+
+
+class LayerExists(EngramDBError, FileExistsError, RuntimeError):
+    """populate/bind on a layer that already has tables (populate is create-only)."""
+
+
+class LookupTypeError(InvalidDtype, RuntimeError):
+    """A lookup or populate argument has the wrong type, dtype or memory layout."""
+
+
+class LookupShapeError(ShapeMismatch, RuntimeError):
+    """A lookup or populate argument has the wrong shape."""
+
+
+class LookupBoundsError(RowIdOutOfRange, RuntimeError):
+    """A per-head row id is outside ``[0, N_h)``."""

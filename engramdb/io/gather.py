@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -60,5 +61,20 @@ def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
         futures.append(pool.submit(np.take, table, ids[lo:hi], 0, out[lo:hi], "clip"))
     hi0 = int(bounds[1])
     np.take(table, ids[:hi0], axis=0, out=out[:hi0], mode="clip")
+    for f in futures:
+        f.result()
+
+
+def run_split(fn: Callable[[int, int], None], n: int, *, min_items: int = 2) -> None:
+    """Call ``fn(lo, hi)`` over ``[0, n)`` split across the gather pool (the caller's thread
+    takes the first part). ``fn`` must release the GIL to gain from this (numpy copies do)."""
+    workers = min(gather_threads(), n)
+    if workers <= 1 or n < min_items:
+        fn(0, n)
+        return
+    pool = _get_pool(gather_threads())
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    futures = [pool.submit(fn, int(bounds[w]), int(bounds[w + 1])) for w in range(1, workers)]
+    fn(0, int(bounds[1]))
     for f in futures:
         f.result()
