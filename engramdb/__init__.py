@@ -1,4 +1,9 @@
-"""EngramDB: a disk-first embedded database engine for Engram / PLE n-gram embedding tables."""
+"""EngramDB: a disk-first embedded database engine for Engram / PLE n-gram embedding tables.
+
+The public surface: `open` → `Database` → `Store` (``fetch`` / ``fetch_into`` /
+``lookup_into``), `build`, `verify`, `keygen` (bit-exact row ids), the Mooncake-compatible
+`EngramStore`, and every error class of `engramdb.errors`.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,24 @@ from engramdb.errors import EngramDBError
 
 __version__ = "0.1.0"
 
-__all__ = ["EngramDBError", "__version__"]
-
+from engramdb import keygen  # noqa: E402
 from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
 from engramdb.database import Database, open  # noqa: E402,A004
 from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
 from engramdb.store import Store  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
 
-__all__ += [
+__all__ = [
     "BuildSummary",
     "Database",
+    "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",
     "Store",
+    "__version__",
     "build",
     "drop_table",
+    "keygen",
     "open",
     "verify",
 ]

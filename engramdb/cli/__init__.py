@@ -7,6 +7,7 @@ import click
 from engramdb import __version__
 from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
+from engramdb.cli.index_cmd import index_cmd
 from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
 
 
@@ -24,3 +25,4 @@ main.add_command(info_cmd)
 main.add_command(verify_cmd)
 main.add_command(drop_cmd)
 main.add_command(demo_cmd)
+main.add_command(index_cmd)

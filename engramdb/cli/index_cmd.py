@@ -1,0 +1,126 @@
+"""``engramdb index CORPUS DB --preset NAME``: one call to :func:`engramdb.index.build_index`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from engramdb.cli._common import library_errors
+from engramdb.index import BIN_DTYPES, DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
+from engramdb.keygen import PRESETS
+
+
+class _LazyBar:
+    """A click progress bar opened at the first report, once the total is known."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(
+                length=total, label="indexing", hidden=self.quiet, file=sys.stderr
+            )
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+@click.command("index")
+@click.argument("corpus", type=click.Path(exists=True, path_type=Path))
+@click.argument("db", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--preset",
+    "preset_name",
+    required=True,
+    type=click.Choice(sorted(PRESETS)),
+    help="Model layout whose row ids to count.",
+)
+@click.option("--table", "-t", help="Table to index (default: the database's only table).")
+@click.option(
+    "--layer", type=int, help="Model layer of the table (needed when the preset has several)."
+)
+@click.option(
+    "--hot-rows",
+    type=click.IntRange(min=0),
+    default=DEFAULT_HOT_ROWS,
+    show_default=True,
+    help="Size of the hot set: the most frequent rows, with counts.",
+)
+@click.option(
+    "--bin-dtype",
+    type=click.Choice(sorted(BIN_DTYPES)),
+    help="Element type of raw .bin corpus files.",
+)
+@click.option(
+    "--doc-sep",
+    type=int,
+    help="DeepSeek: token id that starts a new sequence (Qwen splits at EOS itself).",
+)
+@click.option("--compressed", is_flag=True, help="DeepSeek: the corpus holds compressed ids.")
+@click.option(
+    "--token-map",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="DeepSeek: frozen compression map (.npy) for raw token ids.",
+)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK_TOKENS,
+    show_default=True,
+    help="Tokens hashed per step (bounds working memory).",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def index_cmd(
+    corpus: Path,
+    db: Path,
+    preset_name: str,
+    table: str | None,
+    layer: int | None,
+    hot_rows: int,
+    bin_dtype: str | None,
+    doc_sep: int | None,
+    compressed: bool,
+    token_map: Path | None,
+    chunk_tokens: int,
+    quiet: bool,
+) -> None:
+    """Count the row accesses a token CORPUS makes into a table of database DB.
+
+    CORPUS is a .npy of token ids ([T] one sequence, [S, T] S sequences), a raw .bin of
+    uint32/int32 ids, or a directory of them. Writes DB/<table>/index/ (zstd): hot.zst (the
+    most frequent rows with counts), keys.zst (distinct n-gram keys in order of first access,
+    with counts) and index.json.
+    """
+    bar = _LazyBar(quiet)
+    try:
+        summary = build_index(
+            corpus,
+            db,
+            preset=preset_name,
+            table=table,
+            layer=layer,
+            hot_rows=hot_rows,
+            bin_dtype=bin_dtype,
+            doc_separator=doc_sep,
+            compressed=compressed,
+            token_map=token_map,
+            chunk_tokens=chunk_tokens,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    click.echo(summary.line())
+
+
+index = index_cmd

@@ -1,0 +1,43 @@
+"""Keygen: bit-exact table row ids of DeepSeek Engram, Qwen4-Exp PLE and Gemma 3n PLE.
+
+>>> from engramdb import keygen
+>>> h = keygen.preset("qwen3.8-flash-next")
+>>> h.row_ids([[9707, 11, 1879]]).shape       # [B, T, 16] global row ids
+(1, 3, 16)
+
+The rules and file formats are in ``docs/keygen.md``.
+"""
+
+from __future__ import annotations
+
+from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, kernel_stats
+from engramdb.keygen.kinds import DeepSeekHasher, GemmaHasher, QwenHasher
+from engramdb.keygen.presets import KINDS, PRESETS, hasher, preset
+from engramdb.keygen.stream import KeyStream
+from engramdb.keygen.tokenmap import (
+    TokenMap,
+    build_token_map,
+    compression_normalizer,
+    file_sha256,
+    load_token_map,
+)
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "KINDS",
+    "PRESETS",
+    "DeepSeekHasher",
+    "GemmaHasher",
+    "Hasher",
+    "KeyStream",
+    "LayerTables",
+    "QwenHasher",
+    "TokenMap",
+    "build_token_map",
+    "compression_normalizer",
+    "file_sha256",
+    "hasher",
+    "kernel_stats",
+    "load_token_map",
+    "preset",
+]

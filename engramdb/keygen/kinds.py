@@ -1,0 +1,642 @@
+"""The three model families: DeepSeek Engram (demo, V4.1), Qwen4-Exp PLE, Gemma 3n PLE.
+
+Each class reads the model's own config field names, derives the constants by the rules of
+``docs/keygen.md`` (frozen constants given by the caller win), and supplies the boundary
+rules the shared kernel in ``_core`` needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engramdb.errors import InvalidArgument, ShapeMismatch, TokenIdOutOfRange
+from engramdb.keygen._arith import (
+    consecutive_primes,
+    deepseek_multipliers,
+    deepseek_primes,
+    qwen_multipliers,
+)
+from engramdb.keygen._core import (
+    Hasher,
+    LayerTables,
+    _readonly,
+    as_mask,
+    as_token_array,
+    check_range,
+    prepare_out,
+    to_int64,
+)
+from engramdb.keygen.tokenmap import TokenMap
+
+_MISSING = object()
+
+
+def _identity(tid: int) -> int:
+    return tid
+
+
+def _oov_message(tid: int, bound: int, what: str) -> str:
+    return (
+        f"token id {tid} is outside [0, {bound}) ({what}); "
+        f"pass strict=False for the reference engine's behaviour"
+    )
+
+
+def _range_checked(bound: int, what: str) -> Callable[[int], int]:
+    def encode(tid: int) -> int:
+        if 0 <= tid < bound:
+            return tid
+        raise TokenIdOutOfRange(_oov_message(tid, bound, what))
+
+    return encode
+
+
+# Aliases under which checkpoints ship frozen constants (Qwen's buffer names included).
+_MULT_KEYS = ("multipliers", "layer_multipliers")
+_PRIME_KEYS = ("primes", "ngram_heads_vocab_sizes", "head_rows")
+_OFFSET_KEYS = ("offsets", "ngram_heads_offsets")
+
+
+class _Config:
+    """Field lookup in a HF config dict, falling back to its ``text_config``."""
+
+    def __init__(self, kind: str, config: Mapping[str, Any]) -> None:
+        if not isinstance(config, Mapping):
+            raise InvalidArgument(f"{kind} config must be a dict, got {type(config).__name__}")
+        self.kind = kind
+        self.top = config
+        text = config.get("text_config")
+        self.text = text if isinstance(text, Mapping) else {}
+
+    def get(self, *names: str, default: Any = _MISSING) -> Any:
+        for src in (self.top, self.text):
+            for name in names:
+                if name in src and src[name] is not None:
+                    return src[name]
+        if default is _MISSING:
+            raise InvalidArgument(f"{self.kind} config lacks {' / '.join(repr(n) for n in names)}")
+        return default
+
+    def integer(self, *names: str, default: Any = _MISSING, minimum: int | None = None) -> Any:
+        value = self.get(*names, default=default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidArgument(
+                f"{self.kind} config {names[0]!r} must be an integer, got {value!r}"
+            )
+        if minimum is not None and value < minimum:
+            raise InvalidArgument(
+                f"{self.kind} config {names[0]!r} must be >= {minimum}, got {value}"
+            )
+        return int(value)
+
+    def int_list(self, *names: str) -> list[int]:
+        value = self.get(*names)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return [int(value)]
+        if (
+            not isinstance(value, Sequence)
+            or isinstance(value, (str, bytes))
+            or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+        ):
+            raise InvalidArgument(
+                f"{self.kind} config {names[0]!r} must list integers, got {value!r}"
+            )
+        return [int(v) for v in value]
+
+
+def _frozen(constants: Mapping[Any, Any] | None, layer: int) -> Mapping[str, Any]:
+    if not constants:
+        return {}
+    for key in (layer, str(layer)):
+        if key in constants:
+            entry = constants[key]
+            if not isinstance(entry, Mapping):
+                raise InvalidArgument(f"constants[{layer!r}] must be a dict, got {entry!r}")
+            return entry
+    return {}
+
+
+def _pick(entry: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    for key in keys:
+        if key in entry and entry[key] is not None:
+            return entry[key]
+    return None
+
+
+def _check_constant_layers(constants: Mapping[Any, Any] | None, layers: Sequence[int]) -> None:
+    for key in constants or {}:
+        try:
+            ok = int(key) in layers
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidArgument(f"constants given for layer {key!r}, layers are {list(layers)}")
+
+
+# --- DeepSeek Engram ------------------------------------------------------------------------
+class DeepSeekHasher(Hasher):
+    """DeepSeek Engram row ids: compressed ids, pad fill, sticky dead tokens.
+
+    Layer ids are the 0-based decoder indices of ``layer_ids`` / ``engram_layer_ids``.
+    ``mask`` marks dead positions (image spans): a dead position and everything older is
+    replaced by the compressed pad id in later look-backs, and the dead position itself hashes
+    the all-pad n-grams. Reference behaviour (``strict=False``) for ids outside the vocabulary:
+    compressed ids are hashed as given with int64 wrap; raw ids are clamped into the map.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        token_map: TokenMap | None,
+        pad_id: int,
+        unready: str | None,
+        **kwargs: Any,
+    ) -> None:
+        self.kind = kind
+        super().__init__(**kwargs)
+        self.token_map = token_map
+        self.pad_id = pad_id
+        self._unready = unready
+
+    def _ready(self) -> None:
+        if self._unready:
+            raise InvalidArgument(self._unready)
+
+    def multipliers(self, layer: int | None = None) -> np.ndarray:
+        lt = self._layer(layer)
+        self._ready()
+        return lt.multipliers
+
+    def _ext(self, *args: Any, **kwargs: Any) -> Any:
+        self._ready()
+        return super()._ext(*args, **kwargs)
+
+    def hash_keys(self, keys: Any, **kwargs: Any) -> np.ndarray:
+        self._ready()
+        return super().hash_keys(keys, **kwargs)
+
+    def stream(self, layer: int | None = None, **kwargs: Any) -> Any:
+        self._ready()
+        return super().stream(layer, **kwargs)
+
+    def _check_encodable(self, compressed: bool, strict: bool) -> None:
+        if compressed and strict and self.id_bound is None:
+            raise InvalidArgument(
+                "the compressed vocabulary size is unknown, so compressed ids cannot be "
+                "checked: give compressed_vocab_size or a token map, or strict=False"
+            )
+        if not compressed and self.token_map is None:
+            raise InvalidArgument(
+                f"{self.kind} hasher has no tokenizer compression map: build it with "
+                f"token_map=... or pass compressed=True with compressed ids"
+            )
+
+    def _encode(self, arr: np.ndarray, compressed: bool, strict: bool) -> np.ndarray:
+        self._check_encodable(compressed, strict)
+        if compressed:
+            if strict and self.id_bound is not None:
+                check_range(arr, 0, self.id_bound, "compressed vocabulary")
+            return to_int64(arr)
+        assert self.token_map is not None
+        return self.token_map.apply(arr, strict=strict)
+
+    def _apply_mask(
+        self, ids2: np.ndarray, mask2: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        return ids2, mask2, mask2
+
+    def _encode_fn(self, compressed: bool, strict: bool) -> Callable[[int], int]:
+        self._check_encodable(compressed, strict)
+        if compressed:
+            if not strict or self.id_bound is None:
+                return _identity
+            return _range_checked(self.id_bound, "compressed vocabulary")
+        assert self.token_map is not None
+        table = self.token_map.table.tolist()
+        size = len(table)
+
+        def encode(tid: int) -> int:
+            if 0 <= tid < size:
+                return table[tid]
+            if strict:
+                raise TokenIdOutOfRange(_oov_message(tid, size, "tokenizer vocabulary"))
+            return table[min(max(tid, 0), size - 1)]
+
+        return encode
+
+
+def build_deepseek(
+    kind: str,
+    config: Mapping[str, Any],
+    *,
+    token_map: Any = None,
+    compressed_pad_id: int | None = None,
+    constants: Mapping[Any, Any] | None = None,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> DeepSeekHasher:
+    """A DeepSeek hasher from the demo's ``EngramConfig`` or the V4.1 HF ``text_config`` fields."""
+    cfg = _Config(kind, config)
+    if kind == "deepseek-demo":
+        layer_ids = cfg.int_list("layer_ids")
+        max_ngram = cfg.integer("max_ngram_size", minimum=2)
+        heads = cfg.integer("n_head_per_ngram", minimum=1)
+        bases = cfg.int_list("engram_vocab_size")
+        pad_raw = cfg.integer("pad_id", "pad_id_raw", minimum=0)
+        seed = cfg.integer("seed", default=0)
+        cfg_vc = cfg.integer("compressed_vocab_size", default=None, minimum=1)
+        cfg_pad_c = cfg.integer("compressed_pad_id", "pad_id_compressed", default=None, minimum=0)
+        embed = cfg.integer("n_embed_per_ngram", default=None, minimum=1)
+        row_dim = embed // heads if embed else None
+        num_embeddings = None
+    else:
+        layer_ids = cfg.int_list("engram_layer_ids")
+        max_ngram = cfg.integer("engram_max_ngram_size", minimum=2)
+        heads = cfg.integer("engram_n_heads", minimum=1)
+        bases = cfg.int_list("engram_vocab_size")
+        pad_raw = cfg.integer("engram_pad_id", "engram_pad_token_id", minimum=0)
+        seed = cfg.integer("engram_seed", default=0)  # V4.1 has no seed field: 0
+        cfg_vc = cfg.integer("engram_compressed_vocab_size", default=None, minimum=1)
+        cfg_pad_c = cfg.integer("engram_compressed_pad_id", default=None, minimum=0)
+        row_dim = cfg.integer("engram_head_dim", default=None, minimum=1)
+        raw_rows = cfg.get("engram_num_embeddings", default=None)
+        num_embeddings = None if raw_rows is None else cfg.int_list("engram_num_embeddings")
+    if len(set(layer_ids)) != len(layer_ids) or not layer_ids:
+        raise InvalidArgument(f"{kind} layer ids must be distinct and non-empty, got {layer_ids}")
+    if len(bases) == 1:
+        bases = bases * (max_ngram - 1)
+    if len(bases) != max_ngram - 1 or min(bases) < 2:
+        raise InvalidArgument(
+            f"{kind} engram_vocab_size needs one base >= 2 per order 2..{max_ngram}, got {bases}"
+        )
+    _check_constant_layers(constants, layer_ids)
+
+    tmap = None if token_map is None else TokenMap.coerce(token_map)
+    vocab_c = cfg_vc
+    if tmap is not None:
+        if cfg_vc is not None and cfg_vc != tmap.compressed_vocab_size:
+            # The multipliers derive from V_c; every reference refuses to start on a mismatch.
+            raise InvalidArgument(
+                f"token map compresses to {tmap.compressed_vocab_size} ids but the config says "
+                f"compressed_vocab_size {cfg_vc}"
+            )
+        vocab_c = tmap.compressed_vocab_size
+        if pad_raw >= len(tmap):
+            raise InvalidArgument(f"pad id {pad_raw} is outside the token map ({len(tmap)} ids)")
+    pad_c = compressed_pad_id if compressed_pad_id is not None else cfg_pad_c
+    if tmap is not None:
+        mapped = int(tmap.table[pad_raw])
+        if pad_c is not None and pad_c != mapped:
+            raise InvalidArgument(
+                f"compressed pad id {pad_c} differs from the token map's {mapped} for pad {pad_raw}"
+            )
+        pad_c = mapped
+    if pad_c is not None and vocab_c is not None and not 0 <= pad_c < vocab_c:
+        raise InvalidArgument(f"compressed pad id {pad_c} is outside [0, {vocab_c})")
+
+    derived_primes = deepseek_primes(layer_ids, bases, heads)
+    tables: dict[int, LayerTables] = {}
+    missing_mult = False
+    for i, layer in enumerate(layer_ids):
+        entry = _frozen(constants, layer)
+        mult = _pick(entry, _MULT_KEYS)
+        if mult is None:
+            if vocab_c is None:
+                missing_mult = True
+                mult = [1] * max_ngram  # placeholder; multipliers() refuses until V_c is known
+            else:
+                mult = deepseek_multipliers(seed, layer, max_ngram, vocab_c)
+        primes = _pick(entry, _PRIME_KEYS)
+        lt = LayerTables.build(
+            layer,
+            max_ngram,
+            heads,
+            mult,
+            derived_primes[layer] if primes is None else primes,
+            _pick(entry, _OFFSET_KEYS),
+            entry.get("table_rows"),
+        )
+        if num_embeddings is not None and len(num_embeddings) == len(layer_ids):
+            if num_embeddings[i] != lt.table_rows:
+                raise InvalidArgument(
+                    f"layer {layer}: buckets sum to {lt.table_rows} rows but the config's "
+                    f"engram_num_embeddings says {num_embeddings[i]}"
+                )
+        tables[layer] = lt
+    unready = None
+    if missing_mult:
+        unready = (
+            f"{kind}: the multipliers derive from the compressed vocabulary size, which depends "
+            f"on the tokenizer: pass compressed_vocab_size (config) or token_map="
+        )
+    elif pad_c is None:
+        unready = f"{kind}: the compressed pad id is unknown: pass token_map= or compressed_pad_id="
+    full_info = {"row_dim": row_dim, "compressed_vocab_size": vocab_c, "pad_id": pad_raw}
+    full_info.update(info or {})
+    return DeepSeekHasher(
+        kind=kind,
+        token_map=tmap,
+        pad_id=pad_raw,
+        unready=unready,
+        name=name,
+        tables=tables,
+        max_ngram=max_ngram,
+        heads_per_ngram=heads,
+        fill_id=-1 if pad_c is None else pad_c,
+        id_bound=vocab_c,
+        info=full_info,
+    )
+
+
+# --- Qwen4-Exp PLE --------------------------------------------------------------------------
+class QwenHasher(Hasher):
+    """Qwen4-Exp / Qwen3.8-Flash-Next PLE row ids: raw ids, EOS fill, segment reset at EOS.
+
+    Layer ids are the config's 1-based ``ple_layer_ids``. ``mask`` marks positions the model
+    replaces by EOS before hashing (masked by attention), which then also end the segment.
+    Reference behaviour (``strict=False``): ids outside the vocabulary are hashed with int64
+    wrap and floor modulo, as the HF model does.
+    """
+
+    kind = "qwen4exp"
+
+    _dead_blocks_self = False  # a masked position becomes EOS (and so ends the segment)
+
+    def __init__(self, *, eos_id: int, vocab_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.eos_id = eos_id
+        self.vocab_size = vocab_size
+        self._barrier_id = eos_id
+
+    def _encode(self, arr: np.ndarray, compressed: bool, strict: bool) -> np.ndarray:
+        if compressed:
+            raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
+        if strict:
+            check_range(arr, 0, self.vocab_size, "vocabulary")
+        return to_int64(arr)
+
+    def _apply_mask(
+        self, ids2: np.ndarray, mask2: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        if mask2 is not None:
+            ids2 = np.where(mask2, self.eos_id, ids2)
+        return ids2, ids2 == self.eos_id, None
+
+    def _encode_fn(self, compressed: bool, strict: bool) -> Callable[[int], int]:
+        if compressed:
+            raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
+        return _range_checked(self.vocab_size, "vocabulary") if strict else _identity
+
+
+def build_qwen(
+    config: Mapping[str, Any],
+    *,
+    constants: Mapping[Any, Any] | None = None,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> QwenHasher:
+    """A Qwen PLE hasher from ``Qwen4ExpTextConfig`` fields (``text_config`` accepted)."""
+    kind = "qwen4exp"
+    cfg = _Config(kind, config)
+    vocab = cfg.integer("vocab_size", minimum=1)
+    max_ngram = cfg.integer("ngram_size", minimum=2)
+    heads = cfg.integer("heads_per_ngram", minimum=1)
+    base = cfg.integer("ngram_vocab_size_base", minimum=2)
+    divisor = cfg.integer("make_ngram_vocab_size_divisible_by", default=1, minimum=1)
+    seed = cfg.integer("seed", default=1234)
+    eos_raw = cfg.get("eos_token_id")
+    if isinstance(eos_raw, Sequence) and not isinstance(eos_raw, str) and len(eos_raw) == 1:
+        eos_raw = eos_raw[0]
+    if isinstance(eos_raw, bool) or not isinstance(eos_raw, (int, np.integer)):
+        raise InvalidArgument(f"qwen4exp eos_token_id must be one integer, got {eos_raw!r}")
+    eos = int(eos_raw)
+    if not 0 <= eos < vocab:
+        raise InvalidArgument(f"qwen4exp eos_token_id {eos} is outside [0, {vocab})")
+    layer_ids = sorted(cfg.int_list("ple_layer_ids"))
+    if not layer_ids or len(set(layer_ids)) != len(layer_ids):
+        raise InvalidArgument(f"qwen4exp ple_layer_ids must be distinct and non-empty: {layer_ids}")
+    n_cols = (max_ngram - 1) * heads
+    declared = cfg.integer("ngram_heads", default=None)
+    if declared is not None and declared != n_cols:
+        raise InvalidArgument(
+            f"qwen4exp ngram_heads {declared} differs from (ngram_size-1)*heads_per_ngram {n_cols}"
+        )
+    _check_constant_layers(constants, layer_ids)
+    all_primes = consecutive_primes(base, n_cols * len(layer_ids))
+    tables: dict[int, LayerTables] = {}
+    for k, layer in enumerate(layer_ids):
+        entry = _frozen(constants, layer)
+        mult = _pick(entry, _MULT_KEYS)
+        if mult is None:
+            mult = qwen_multipliers(seed, k, max_ngram, vocab)
+        primes = _pick(entry, _PRIME_KEYS)
+        if primes is None:
+            primes = all_primes[k * n_cols : (k + 1) * n_cols]
+        offsets = _pick(entry, _OFFSET_KEYS)
+        plain = LayerTables.build(layer, max_ngram, heads, mult, primes, offsets)
+        padded = entry.get("table_rows")
+        if padded is None:
+            padded = math.ceil(plain.table_rows / divisor) * divisor
+        tables[layer] = LayerTables.build(
+            layer, max_ngram, heads, mult, primes, offsets, int(padded)
+        )
+    embed = cfg.integer("ple_embed_dim", default=None, minimum=1)
+    parts = cfg.integer("split_ngram_parts", default=None, minimum=1)
+    full_info: dict[str, Any] = {
+        "row_dim": embed // n_cols if embed else None,
+        "vocab_size": vocab,
+        "eos_token_id": eos,
+        "split_ngram_parts": parts,
+    }
+    full_info.update(info or {})
+    return QwenHasher(
+        eos_id=eos,
+        vocab_size=vocab,
+        name=name,
+        tables=tables,
+        max_ngram=max_ngram,
+        heads_per_ngram=heads,
+        fill_id=eos,
+        id_bound=vocab,
+        info=full_info,
+    )
+
+
+# --- Gemma 3n PLE ---------------------------------------------------------------------------
+class GemmaHasher(Hasher):
+    """Gemma 3n per-layer embeddings: row id = token id; one table shared by every layer.
+
+    Ids outside the table (vision / audio ids, up to ``vocab_size``) read row 0, as the
+    reference does. Ids outside ``[0, vocab_size)`` raise unless ``strict=False`` (row 0).
+    ``mask`` positions also read row 0 (the pad row).
+    """
+
+    kind = "gemma3n"
+
+    def __init__(self, *, table_ids: int, vocab_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.table_ids = table_ids
+        self.vocab_size = vocab_size
+
+    def multipliers(self, layer: int | None = None) -> np.ndarray:
+        self._layer(layer)
+        return _readonly([])
+
+    def primes(self, layer: int | None = None) -> np.ndarray:
+        self._layer(layer)
+        return _readonly([])
+
+    def _rowmap(self, arr: np.ndarray, mask: Any, strict: bool) -> np.ndarray:
+        if strict:
+            check_range(arr, 0, self.vocab_size, "vocabulary incl. multimodal ids")
+        ids = to_int64(arr)
+        inside = (ids >= 0) & (ids < self.table_ids)
+        if mask is not None:
+            inside &= ~as_mask(mask, arr.shape)
+        return np.where(inside, ids, 0)
+
+    def _rows(
+        self,
+        token_ids: Any,
+        layer: int | None,
+        compressed: bool,
+        mask: Any,
+        strict: bool,
+        out: np.ndarray | None,
+        *,
+        local: bool,
+    ) -> np.ndarray:
+        self._layer(layer)
+        if compressed:
+            raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
+        arr = as_token_array(token_ids)
+        res = prepare_out(out, (*arr.shape, 1))
+        res[..., 0] = self._rowmap(arr, mask, strict)
+        return res
+
+    def keys(
+        self, token_ids: Any, *, compressed: bool = False, mask: Any = None, strict: bool = True
+    ) -> np.ndarray:
+        return self._rows(token_ids, None, compressed, mask, strict, None, local=False)
+
+    def hash_keys(
+        self,
+        keys: Any,
+        *,
+        layer: int | None = None,
+        local: bool = False,
+        strict: bool = True,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        self._layer(layer)
+        arr = as_token_array(keys, name="keys")
+        if arr.shape[-1] != 1:
+            raise ShapeMismatch(f"gemma3n keys must be [..., 1], got shape {arr.shape}")
+        res = prepare_out(out, arr.shape)
+        if strict:
+            check_range(arr, 0, self.table_ids, "table rows")
+        res[...] = np.where((arr >= 0) & (arr < self.table_ids), to_int64(arr), 0)
+        return res
+
+    def _encode(self, arr: np.ndarray, compressed: bool, strict: bool) -> np.ndarray:
+        if compressed:
+            raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
+        return self._rowmap(arr, None, strict)
+
+    def _apply_mask(
+        self, ids2: np.ndarray, mask2: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        if mask2 is not None:
+            ids2 = np.where(mask2, 0, ids2)
+        return ids2, None, None
+
+    def _make_step(
+        self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool
+    ) -> Callable[[int, bool, list[int], list[bool]], np.ndarray]:
+        if compressed:
+            raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
+        vocab, table_ids = self.vocab_size, self.table_ids
+
+        def step(tid: int, dead: bool, ids: list[int], bars: list[bool]) -> np.ndarray:
+            if strict and not 0 <= tid < vocab:
+                raise TokenIdOutOfRange(_oov_message(tid, vocab, "vocabulary incl. multimodal ids"))
+            row = tid if 0 <= tid < table_ids and not dead else 0
+            return np.array([row], dtype=np.int64)
+
+        return step
+
+    def _stream_rows(
+        self,
+        lt: LayerTables,
+        arr: np.ndarray,
+        mask: Any,
+        compressed: bool,
+        strict: bool,
+        local: bool,
+        hist_ids: np.ndarray,
+        hist_bar: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = self._rows(arr, None, compressed, mask, strict, None, local=local)
+        return rows, hist_ids, hist_bar
+
+
+def build_gemma(
+    config: Mapping[str, Any],
+    *,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> GemmaHasher:
+    """A Gemma 3n PLE hasher from ``Gemma3nTextConfig`` fields (``text_config`` accepted)."""
+    cfg = _Config("gemma3n", config)
+    table_ids = cfg.integer("vocab_size_per_layer_input", minimum=1)
+    n_layers = cfg.integer("num_hidden_layers", minimum=1)
+    width = cfg.integer("hidden_size_per_layer_input", default=None, minimum=1)
+    vocab = cfg.integer("vocab_size", default=table_ids, minimum=1)
+    if vocab < table_ids:
+        raise InvalidArgument(
+            f"gemma3n vocab_size {vocab} is smaller than vocab_size_per_layer_input {table_ids}"
+        )
+    table = LayerTables(
+        layer=0,
+        max_ngram=1,
+        heads_per_ngram=1,
+        multipliers=_readonly([]),
+        primes=_readonly([table_ids]),
+        offsets=_readonly([0]),
+        table_rows=table_ids,
+    )
+    full_info: dict[str, Any] = {
+        "row_dim": None if width is None else width * n_layers,
+        "layer_slice": None if width is None else width,
+        "vocab_size": vocab,
+    }
+    full_info.update(info or {})
+    return GemmaHasher(
+        table_ids=table_ids,
+        vocab_size=vocab,
+        name=name,
+        tables=dict.fromkeys(range(n_layers), table),
+        max_ngram=1,
+        heads_per_ngram=1,
+        fill_id=0,
+        id_bound=vocab,
+        info=full_info,
+    )
+
+
+__all__ = [
+    "DeepSeekHasher",
+    "GemmaHasher",
+    "QwenHasher",
+    "as_token_array",
+    "build_deepseek",
+    "build_gemma",
+    "build_qwen",
+]

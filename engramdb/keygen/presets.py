@@ -1,0 +1,194 @@
+"""Model layout presets: published configs plus frozen constants, and ``hasher(kind, config)``.
+
+Frozen values come from the published checkpoints / configs (``docs/keygen.md`` lists the
+sources); they are stored here so that a change in numpy's random streams can never move a
+row id. Pure data and construction, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engramdb.errors import InvalidArgument
+from engramdb.keygen._core import Hasher
+from engramdb.keygen.kinds import build_deepseek, build_gemma, build_qwen
+
+KINDS = ("deepseek-demo", "deepseek-v41", "qwen4exp", "gemma3n")
+
+
+def hasher(
+    kind: str,
+    config: Mapping[str, Any],
+    *,
+    token_map: Any = None,
+    compressed_pad_id: int | None = None,
+    constants: Mapping[Any, Mapping[str, Any]] | None = None,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> Hasher:
+    """A row-id hasher for ``kind`` built from the model's own config fields.
+
+    * ``"deepseek-demo"``: the Engram demo's ``EngramConfig`` (``layer_ids``,
+      ``max_ngram_size``, ``n_head_per_ngram``, ``engram_vocab_size``, ``pad_id``, ``seed``),
+      plus ``compressed_vocab_size`` when no ``token_map`` is given.
+    * ``"deepseek-v41"``: the HF ``text_config`` ``engram_*`` fields.
+    * ``"qwen4exp"``: ``Qwen4ExpTextConfig`` (``ple_layer_ids``, ``ngram_size``, ...).
+    * ``"gemma3n"``: ``Gemma3nTextConfig`` (``vocab_size_per_layer_input``, ...).
+
+    ``token_map`` (DeepSeek): a :class:`TokenMap`, a frozen ``.npy`` path or an int table;
+    ``compressed_pad_id``: the pad's compressed id when no map is given. ``constants``:
+    ``{layer: {"multipliers"|"layer_multipliers", "primes"|"ngram_heads_vocab_sizes",
+    "offsets"|"ngram_heads_offsets", "table_rows"}}`` read from a checkpoint; they win over
+    derived values. Cost: prime search, ~1 ms per 100 columns.
+    """
+    if kind in ("deepseek-demo", "deepseek-v41"):
+        return build_deepseek(
+            kind,
+            config,
+            token_map=token_map,
+            compressed_pad_id=compressed_pad_id,
+            constants=constants,
+            name=name,
+            info=info,
+        )
+    if token_map is not None or compressed_pad_id is not None:
+        raise InvalidArgument(
+            f"{kind} has no tokenizer compression: drop token_map / compressed_pad_id"
+        )
+    if kind == "qwen4exp":
+        return build_qwen(config, constants=constants, name=name, info=info)
+    if kind == "gemma3n":
+        if constants:
+            raise InvalidArgument("gemma3n has no hash constants to freeze")
+        return build_gemma(config, name=name, info=info)
+    raise InvalidArgument(f"unknown keygen kind {kind!r}; kinds are {list(KINDS)}")
+
+
+# --- published layouts ----------------------------------------------------------------------
+_DEEPSEEK_V41_FLASH = {
+    "engram_layer_ids": [1, 14],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_vocab_size": 16_000_000,
+    "engram_head_dim": 256,
+    "engram_num_embeddings": [384_006_168, 384_016_682],
+    "engram_compressed_vocab_size": 99_092,
+    "engram_pad_id": 2,
+}
+# Multipliers of default_rng(10007 * layer) as published with the V4.1 constants.
+_DEEPSEEK_V41_MULTIPLIERS = {
+    1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
+    14: [67716810739261, 51510806800915, 30921347202721, 82619226485591],
+}
+
+_DEEPSEEK_DEMO = {
+    "layer_ids": [1, 15],
+    "max_ngram_size": 3,
+    "n_head_per_ngram": 8,
+    "n_embed_per_ngram": 512,
+    "engram_vocab_size": [646_400, 646_400],
+    "pad_id": 2,
+    "seed": 0,
+}
+
+_QWEN_FLASH_NEXT = {
+    "vocab_size": 248_320,
+    "ple_layer_ids": [2],
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "split_ngram_parts": 128,
+    "ple_embed_dim": 2560,
+    "seed": 1234,
+    "eos_token_id": 248_044,
+}
+# The checkpoint's ``layer_multipliers`` buffer (equal to splitmix64 with seed 1234).
+_QWEN_FLASH_NEXT_MULTIPLIERS = {2: [23703573157769, 20109073645365, 8052911324071]}
+
+_GEMMA3N = {
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size": 262_400,
+    "pad_token_id": 0,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-engram-demo": {
+        "kind": "deepseek-demo",
+        "config": _DEEPSEEK_DEMO,
+        "info": {"row_dim": 64},
+    },
+    "deepseek-v4.1-flash": {
+        "kind": "deepseek-v41",
+        "config": _DEEPSEEK_V41_FLASH,
+        "constants": {k: {"multipliers": v} for k, v in _DEEPSEEK_V41_MULTIPLIERS.items()},
+        # Raw pad 2 compresses to 2 with the V4.1 tokenizer (its specials come first).
+        "compressed_pad_id": 2,
+        "info": {"row_dim": 256, "row_bytes": 264, "row_format": "fp8_e4m3[256]+ue8m0[8]"},
+    },
+    "qwen3.8-flash-next": {
+        "kind": "qwen4exp",
+        "config": _QWEN_FLASH_NEXT,
+        "constants": {k: {"multipliers": v} for k, v in _QWEN_FLASH_NEXT_MULTIPLIERS.items()},
+        "info": {"row_dim": 160, "row_bytes": 160, "row_format": "fp8_e4m3[160]"},
+    },
+    "gemma3n-e2b": {
+        "kind": "gemma3n",
+        "config": {**_GEMMA3N, "num_hidden_layers": 30},
+        "info": {"row_bytes": 15_360, "row_format": "bf16[7680]"},
+    },
+    "gemma3n-e4b": {
+        "kind": "gemma3n",
+        "config": {**_GEMMA3N, "num_hidden_layers": 35},
+        "info": {"row_bytes": 17_920, "row_format": "bf16[8960]"},
+    },
+}
+
+
+def preset(
+    name: str,
+    *,
+    token_map: Any = None,
+    compressed_pad_id: int | None = None,
+    constants: Mapping[Any, Mapping[str, Any]] | None = None,
+    **config_overrides: Any,
+) -> Hasher:
+    """The hasher of a published layout, e.g. ``preset("qwen3.8-flash-next")``.
+
+    Keyword config fields override the preset's (``preset("deepseek-engram-demo",
+    compressed_vocab_size=...)``); ``token_map`` / ``compressed_pad_id`` / ``constants`` as in
+    :func:`hasher`, with given constants winning over the preset's frozen ones.
+    """
+    try:
+        spec = PRESETS[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown preset {name!r}; presets are {sorted(PRESETS)}") from None
+    config = {**spec["config"], **config_overrides}
+    frozen: dict[Any, dict[str, Any]] = {k: dict(v) for k, v in spec.get("constants", {}).items()}
+    for layer, entry in (constants or {}).items():
+        frozen.setdefault(int(layer), {}).update(entry)
+    pad = compressed_pad_id
+    if pad is None and token_map is None:
+        pad = spec.get("compressed_pad_id")
+    kind = spec["kind"]
+    if kind.startswith("deepseek"):
+        return hasher(
+            kind,
+            config,
+            token_map=token_map,
+            compressed_pad_id=pad,
+            constants=frozen or None,
+            name=name,
+            info=spec.get("info"),
+        )
+    return hasher(
+        kind,
+        config,
+        token_map=token_map,
+        compressed_pad_id=compressed_pad_id,
+        constants=frozen or None,
+        name=name,
+        info=spec.get("info"),
+    )

@@ -1,0 +1,160 @@
+"""Decode-time keygen state: the last N-1 hashed ids (and barrier flags) of each sequence.
+
+Chunked prefill and one-token decode through a :class:`KeyStream` return exactly what one
+full pass over the concatenated tokens returns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engramdb.errors import InvalidDtype, ShapeMismatch
+from engramdb.keygen._core import LayerTables, as_token_array
+
+if TYPE_CHECKING:
+    from engramdb.keygen._core import Hasher
+
+
+class KeyStream:
+    """Row ids for tokens pushed one chunk (or one token) at a time, per sequence.
+
+    The batch shape is fixed by the first push (``[T]`` pushes: one sequence; ``[B, T]``:
+    B sequences). A single-sequence push of one token takes a pure-Python path (a few
+    microseconds, no numpy dispatch); larger pushes take the vectorised kernel. The counters
+    ``fast_steps`` and ``batched_pushes`` say which path served the calls.
+    """
+
+    def __init__(
+        self,
+        hasher: Hasher,
+        lt: LayerTables,
+        *,
+        compressed: bool,
+        local: bool,
+        strict: bool,
+    ) -> None:
+        self._h = hasher
+        self._lt = lt
+        self.layer = lt.layer
+        self.compressed = compressed
+        self.local = local
+        self.strict = strict
+        self._hist_len = hasher.max_ngram - 1
+        self._step = hasher._make_step(lt, compressed=compressed, local=local, strict=strict)
+        self._n_heads = lt.n_heads
+        self.fast_steps = 0
+        self.batched_pushes = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every sequence: the next push starts fresh (any batch shape)."""
+        self.batch_shape: tuple[int, ...] | None = None
+        self.position = 0
+        h = self._hist_len
+        # Single-sequence state lives in Python lists so the one-token path needs no numpy.
+        self._ids: list[int] = [self._h.fill_id] * h
+        self._bar: list[bool] = [True] * h
+        self._np_ids: np.ndarray | None = None
+        self._np_bar: np.ndarray | None = None
+
+    @property
+    def history(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, blocked)``: int64 / bool ``[*batch, N-1]`` look-back state (copies)."""
+        shape = self.batch_shape or ()
+        if self._np_ids is None:
+            ids = np.array(self._ids, dtype=np.int64).reshape((*shape, self._hist_len))
+            bar = np.array(self._bar, dtype=np.bool_).reshape((*shape, self._hist_len))
+            return ids, bar
+        assert self._np_bar is not None
+        return (
+            self._np_ids.reshape((*shape, self._hist_len)).copy(),
+            self._np_bar.reshape((*shape, self._hist_len)).copy(),
+        )
+
+    def _bind(self, batch: tuple[int, ...]) -> None:
+        if self.batch_shape is None:
+            self.batch_shape = batch
+            n_seq = math.prod(batch)
+            if n_seq != 1:
+                self._np_ids = np.full((n_seq, self._hist_len), self._h.fill_id, dtype=np.int64)
+                self._np_bar = np.ones((n_seq, self._hist_len), dtype=np.bool_)
+        elif batch != self.batch_shape:
+            raise ShapeMismatch(
+                f"stream holds sequences of batch shape {self.batch_shape}, pushed {batch}"
+            )
+
+    def push(self, token_ids: Any, *, mask: Any = None) -> np.ndarray:
+        """Row ids (int64 ``[*batch, T, n_heads]``; ``[n_heads]`` for a scalar) of the tokens.
+
+        ``mask`` (bool like ``token_ids``) marks dead positions, with the hasher's rules.
+        Advances every sequence by T tokens.
+        """
+        if type(token_ids) is int or (
+            isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool)
+        ):
+            if self.batch_shape != ():
+                self._bind(())
+            rows = self._step(int(token_ids), _scalar_mask(mask), self._ids, self._bar)
+            self.position += 1
+            self.fast_steps += 1
+            return rows
+        arr = as_token_array(token_ids, allow_scalar=True)
+        if arr.ndim == 0:
+            return self.push(int(arr), mask=mask)
+        batch = arr.shape[:-1]
+        self._bind(batch)
+        if arr.size == 1 and self._np_ids is None:
+            dead = False
+            if mask is not None:
+                m = np.asarray(mask)
+                if m.shape != arr.shape:
+                    raise ShapeMismatch(f"mask shape {m.shape} differs from token_ids {arr.shape}")
+                dead = _scalar_mask(m.reshape(()))
+            rows = self._step(int(arr.reshape(-1)[0]), dead, self._ids, self._bar)
+            self.position += 1
+            self.fast_steps += 1
+            return rows.reshape((*arr.shape, self._n_heads))
+        return self._batched(arr, mask)
+
+    def _batched(self, arr: np.ndarray, mask: Any) -> np.ndarray:
+        n_seq = math.prod(arr.shape[:-1])
+        if self._np_ids is None:
+            hist_ids = np.array([self._ids], dtype=np.int64).reshape(1, self._hist_len)
+            hist_bar = np.array([self._bar], dtype=np.bool_).reshape(1, self._hist_len)
+        else:
+            assert self._np_bar is not None
+            hist_ids, hist_bar = self._np_ids, self._np_bar
+        arr2 = arr.reshape(n_seq, arr.shape[-1])
+        mask2 = None
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.shape != arr.shape:
+                raise ShapeMismatch(f"mask shape {m.shape} differs from token_ids {arr.shape}")
+            mask2 = m.reshape(arr2.shape)
+        rows, new_ids, new_bar = self._h._stream_rows(
+            self._lt, arr2, mask2, self.compressed, self.strict, self.local, hist_ids, hist_bar
+        )
+        if self._np_ids is None:
+            self._ids = [int(v) for v in new_ids[0].tolist()]
+            self._bar = [bool(v) for v in new_bar[0].tolist()]
+        else:
+            self._np_ids, self._np_bar = new_ids, new_bar
+        self.position += arr.shape[-1]
+        self.batched_pushes += 1
+        return rows.reshape((*arr.shape, self._n_heads))
+
+
+def _scalar_mask(mask: Any) -> bool:
+    if mask is None or mask is False:
+        return False
+    if isinstance(mask, (bool, np.bool_)):
+        return bool(mask)
+    arr = np.asarray(mask)
+    if arr.dtype != np.bool_:
+        raise InvalidDtype(f"mask must be boolean (True = dead position), got {arr.dtype}")
+    if arr.shape != ():
+        raise ShapeMismatch(f"mask of one token must be a scalar, got shape {arr.shape}")
+    return bool(arr)
