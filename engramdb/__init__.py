@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from engramdb import keygen  # noqa: E402
 from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
+from engramdb.client import Client, RemoteStore, RemoteView, connect  # noqa: E402
 from engramdb.database import Database, open  # noqa: E402,A004
 from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
 from engramdb.store import Store  # noqa: E402
@@ -21,13 +22,17 @@ from engramdb.verify import verify  # noqa: E402
 
 __all__ = [
     "BuildSummary",
+    "Client",
     "Database",
     "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",
+    "RemoteStore",
+    "RemoteView",
     "Store",
     "__version__",
     "build",
+    "connect",
     "drop_table",
     "keygen",
     "open",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +180,13 @@ class Store:
         return local + self.head_offsets
 
     # -- residency ---------------------------------------------------------------------------
-    def populate(self, *, threads: int = 2) -> None:
+    def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
         """Fault the whole table into the page tables (``MADV_POPULATE_READ``): reads it from
-        the device if cold. Afterwards warm gathers run at memory speed."""
+        the device if cold, in ``threads`` background threads (the GIL is released).
+        Afterwards warm gathers run at memory speed. ``progress`` gets byte counts."""
         if self._mapping is None:
             raise StoreClosed(f"table {self.name!r} is closed")
-        self._mapping.populate(threads=threads)
+        self._mapping.populate(threads=threads, progress=progress)
 
     def residency(self) -> float:
         """Fraction of the table's pages in the page cache (0..1), via ``mincore``."""

@@ -9,6 +9,8 @@ from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd
 from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
+from engramdb.cli.serve_cmd import serve
+from engramdb.cli.warm_cmd import warm_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,3 +28,5 @@ main.add_command(verify_cmd)
 main.add_command(drop_cmd)
 main.add_command(demo_cmd)
 main.add_command(index_cmd)
+main.add_command(warm_cmd)
+main.add_command(serve)

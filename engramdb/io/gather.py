@@ -21,17 +21,24 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+_threads: int | None = None
+
+
 def gather_threads() -> int:
     """Threads used for one large gather: the usable cores, at most 8
-    (``ENGRAMDB_GATHER_THREADS`` overrides)."""
-    env = os.environ.get("ENGRAMDB_GATHER_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    (``ENGRAMDB_GATHER_THREADS`` overrides). Computed once per process."""
+    global _threads
+    if _threads is None:
+        env = os.environ.get("ENGRAMDB_GATHER_THREADS")
+        if env:
+            _threads = max(1, int(env))
+        else:
+            try:
+                n = len(os.sched_getaffinity(0))
+            except AttributeError:  # pragma: no cover - non-Linux
+                n = os.cpu_count() or 1
+            _threads = max(1, min(8, n))
+    return _threads
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
@@ -49,8 +56,7 @@ def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     so clipping never changes a row.
     """
     n = ids.size
-    workers = gather_threads()
-    if workers == 1 or n * table.shape[1] < PARALLEL_MIN_BYTES:
+    if n * table.shape[1] < PARALLEL_MIN_BYTES or (workers := gather_threads()) == 1:
         np.take(table, ids, axis=0, out=out, mode="clip")
         return
     pool = _get_pool(workers)

@@ -16,7 +16,7 @@ import ctypes.util
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -123,7 +123,13 @@ class ShardMapping:
         arr.flags.writeable = False
         return arr
 
-    def populate(self, *, threads: int = 2, chunk: int = 64 * 1024 * 1024) -> None:
+    def populate(
+        self,
+        *,
+        threads: int = 2,
+        chunk: int = 64 * 1024 * 1024,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         """Fault every page into the page tables (reads cold pages from the device).
 
         Uses ``MADV_POPULATE_READ`` in ``threads`` background threads, chunk by chunk; on
@@ -146,6 +152,8 @@ class ShardMapping:
                     raise ReadError(f"populate hit an unreadable page near byte {off}") from e
                 else:
                     raise
+            if progress is not None:
+                progress(n)
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             list(pool.map(one, starts))

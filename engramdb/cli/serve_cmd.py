@@ -1,0 +1,159 @@
+"""``engramdb serve``: one call to `engramdb.serve.Server.serve_forever`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engramdb.cli._common import library_errors
+from engramdb.errors import InvalidArgument
+from engramdb.serve.auth import load_token, token_file_is_private
+from engramdb.serve.protocol import DEFAULT_PORT
+from engramdb.serve.server import Limits, Server
+from engramdb.units import parse_size
+
+_D = Limits()
+
+
+@click.command("serve")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default=None, help="TCP address to bind. Default 127.0.0.1 (loopback).")
+@click.option(
+    "--port",
+    type=int,
+    default=None,
+    help=f"TCP port. Default {DEFAULT_PORT}; 0 picks a free port.",
+)
+@click.option(
+    "--unix",
+    "unix_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Listen on this Unix socket. Alone it replaces TCP; with --host/--port it adds to it.",
+)
+@click.option(
+    "--unix-mode",
+    default="600",
+    show_default=True,
+    help="Octal permissions of the Unix socket file.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Require `Authorization: Bearer <token>` with the token in this file.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Allow a non-loopback bind without a token (trusted networks only).",
+)
+@click.option(
+    "--ram-budget",
+    default=None,
+    help="RAM tier size, e.g. 8G (needs a build with the RAM tier; refused otherwise).",
+)
+@click.option("--backend", default="auto", show_default=True, help="Reader backend.")
+@click.option(
+    "--populate",
+    is_flag=True,
+    help="Fault every table into memory before accepting (warm start; seconds per GB).",
+)
+@click.option(
+    "--max-rows", type=int, default=_D.max_rows, show_default=True, help="Ids per request."
+)
+@click.option("--max-body", default="16M", show_default=True, help="Request body bytes.")
+@click.option("--max-response", default="256M", show_default=True, help="Response body bytes.")
+@click.option(
+    "--max-connections",
+    type=int,
+    default=_D.max_connections,
+    show_default=True,
+    help="Open connections; more are refused with a 503.",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=_D.idle_timeout,
+    show_default=True,
+    help="Seconds before an idle keep-alive connection is closed.",
+)
+@click.option(
+    "--grace",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds in-flight requests get to finish after SIGTERM.",
+)
+@library_errors
+def serve(
+    db: str,
+    host: str | None,
+    port: int | None,
+    unix_path: str | None,
+    unix_mode: str,
+    token_file: str | None,
+    insecure: bool,
+    ram_budget: str | None,
+    backend: str,
+    populate: bool,
+    max_rows: int,
+    max_body: str,
+    max_response: str,
+    max_connections: int,
+    idle_timeout: float,
+    grace: float,
+) -> None:
+    """Serve every table of DB over HTTP (binary, JSON and Arrow fetches; docs/serve.md).
+
+    Opens DB read-only. Stops on SIGTERM / Ctrl-C after in-flight requests finish.
+    """
+    token = None
+    if token_file is not None:
+        token = load_token(token_file)
+        if not token_file_is_private(token_file):
+            click.echo(f"warning: token file {token_file} is readable by group or others", err=True)
+    tcp = unix_path is None or host is not None or port is not None
+    try:
+        mode = int(unix_mode, 8)
+    except ValueError:
+        raise InvalidArgument(
+            f"--unix-mode must be octal like 600 or 660, got {unix_mode!r}"
+        ) from None
+    limits = Limits(
+        max_rows=max_rows,
+        max_body_bytes=parse_size(max_body),
+        max_response_bytes=parse_size(max_response),
+        max_connections=max_connections,
+        idle_timeout=idle_timeout,
+    )
+    server = Server(
+        db,
+        host=host or "127.0.0.1",
+        port=(DEFAULT_PORT if port is None else port) if tcp else None,
+        unix=unix_path,
+        unix_mode=mode,
+        token=token,
+        insecure=insecure,
+        limits=limits,
+        backend=backend,
+        ram_budget=None if ram_budget is None else parse_size(ram_budget),
+        grace=grace,
+        populate=populate,
+    )
+
+    def ready(s: Server) -> None:
+        auth = "token required" if token is not None else "no token"
+        click.echo(
+            f"serving {db} ({len(s.db.tables)} table(s)) on {', '.join(s.urls)} ({auth}); "
+            "SIGTERM or Ctrl-C stops"
+        )
+        sys.stdout.flush()
+
+    server.serve_forever(on_ready=ready)
+    total = sum(server.metrics.requests.values())
+    click.echo(f"stopped after {total:,} request(s)")
+
+
+serve_cmd = serve  # the name the other command modules use
