@@ -17,6 +17,7 @@ from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
 from engramdb.client import Client, RemoteStore, RemoteView, connect  # noqa: E402
 from engramdb.database import Database, open  # noqa: E402,A004
 from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
+from engramdb.integrations.mooncake import open_mooncake  # noqa: E402
 from engramdb.store import Store  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
 
@@ -36,5 +37,6 @@ __all__ = [
     "drop_table",
     "keygen",
     "open",
+    "open_mooncake",
     "verify",
 ]

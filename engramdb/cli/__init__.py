@@ -9,6 +9,7 @@ from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd
 from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
+from engramdb.cli.publish_cmd import publish
 from engramdb.cli.serve_cmd import serve
 from engramdb.cli.warm_cmd import warm_cmd
 
@@ -30,3 +31,4 @@ main.add_command(demo_cmd)
 main.add_command(index_cmd)
 main.add_command(warm_cmd)
 main.add_command(serve)
+main.add_command(publish)

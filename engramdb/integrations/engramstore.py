@@ -9,7 +9,11 @@ Backings, chosen by the ``store`` argument:
 
 * ``None`` — metadata only; layers can be bound to caller memory with `bind_local`;
 * an EngramDB `Database` or a database path — `populate` builds tables there, lookups read
-  them (any process that opens the same path sees populated layers without re-populating).
+  them (any process that opens the same path sees populated layers without re-populating);
+* a ``mooncake.store.MooncakeDistributedStore`` client (duck-typed) — the contract's own
+  backing: one store object per head (``engram:l{layer}:h{head}``, or ``...:p{part}`` when
+  ``object_bytes`` splits large heads), one ``get_into_ranges`` per lookup into the caller's
+  registered output (`engramdb.integrations.mooncake`).
 
 Exceptions keep the binding's types: ``ValueError`` for bad configuration and unknown
 layers, ``TypeError`` for wrong argument types or layouts, a bounds error for bad row ids;
@@ -47,6 +51,7 @@ from engramdb.errors import (
     ShapeMismatch,
     UnknownLayer,
 )
+from engramdb.integrations.mooncake import MooncakeLayers, is_store_client
 from engramdb.io.gather import run_split
 from engramdb.store import Store
 from engramdb.validate import check_head_bounds, check_lookup_ids, check_output
@@ -69,7 +74,17 @@ class EngramStoreConfig:
 
 
 class _Layer:
-    __slots__ = ("layer_id", "sizes", "row_bytes", "heads", "offsets", "bound", "store", "db")
+    __slots__ = (
+        "layer_id",
+        "sizes",
+        "row_bytes",
+        "heads",
+        "offsets",
+        "bound",
+        "store",
+        "db",
+        "objects",
+    )
 
     def __init__(self, layer_id: int, cfg: EngramStoreConfig):
         self.layer_id = layer_id
@@ -80,6 +95,7 @@ class _Layer:
         self.bound: list[np.ndarray] | None = None
         self.store: Store | None = None
         self.db: Database | None = None
+        self.objects: Any = None  # ObjectLayout when backed by a Mooncake store
 
     @property
     def table(self) -> str:
@@ -146,9 +162,19 @@ def _check_head_tables(layer: _Layer, buffers: Any, what: str) -> list[np.ndarra
 
 
 class EngramStore:
-    """Engram tables of several layers behind Mooncake's EngramStore surface."""
+    """Engram tables of several layers behind Mooncake's EngramStore surface.
 
-    def __init__(self, layers: dict[int, EngramStoreConfig], store: Any = None):
+    ``object_bytes`` (Mooncake backing only) splits heads larger than that many bytes into
+    several store objects of whole rows; by default each head is one object, as the
+    contract has it."""
+
+    def __init__(
+        self,
+        layers: dict[int, EngramStoreConfig],
+        store: Any = None,
+        *,
+        object_bytes: int | None = None,
+    ):
         if not isinstance(layers, dict) or not layers:
             raise InvalidArgument("EngramStore requires at least one layer")
         for layer_id, cfg in layers.items():
@@ -156,16 +182,23 @@ class EngramStore:
         self._layers = {int(k): _Layer(int(k), v) for k, v in layers.items()}
         self._lock = threading.Lock()
         self._db_path: Path | None = None
+        self._mooncake: MooncakeLayers | None = None
+        if object_bytes is not None and not is_store_client(store):
+            raise InvalidArgument("object_bytes applies only to a Mooncake store backing")
         if store is None:
             pass
+        elif is_store_client(store):
+            self._mooncake = MooncakeLayers(store, object_bytes)
+            for layer in self._layers.values():
+                layer.objects = self._mooncake.layout(layer.layer_id, layer.sizes, layer.row_bytes)
         elif isinstance(store, Database):
             self._db_path = store.path
         elif isinstance(store, (str, os.PathLike)):
             self._db_path = Path(store)
         else:
             raise InvalidArgument(
-                f"store must be None, an EngramDB Database or a database path, got "
-                f"{type(store).__name__}"
+                f"store must be None, an EngramDB Database, a database path or a Mooncake "
+                f"store client, got {type(store).__name__}"
             )
 
     # -- metadata ----------------------------------------------------------------------------
@@ -213,8 +246,18 @@ class EngramStore:
         Create-only: fails with `LayerExists` if the layer already has a table (remove it
         first). ``config`` (a Mooncake ReplicateConfig) is accepted and ignored: an EngramDB
         table has one copy on local storage. Streams the arrays to disk at build speed; a
-        failed populate leaves nothing behind (the build publishes atomically)."""
+        failed populate leaves nothing behind (the build publishes atomically).
+
+        Mooncake backing: checks that no head key exists, registers each table, uploads all
+        heads with one ``batch_put_from`` (``config`` is passed on; default: hard-pinned so
+        the store never evicts the table), unregisters, and removes what a failed populate
+        wrote. Cost: one copy of the layer over the store's transport."""
         layer = self._layer(layer_id)
+        if self._mooncake is not None:
+            buffers = _check_head_tables(layer, embedding_buffers, "populate")
+            with self._lock:
+                self._mooncake.populate(layer.objects, buffers, config)
+            return
         if self._db_path is None:
             raise LayerNotReady(
                 "populate needs a backing store: construct EngramStore(layers, store=<EngramDB "
@@ -234,7 +277,7 @@ class EngramStore:
         ``np.memmap`` of ``/dev/shm`` files). No copy; the list and arrays are kept alive
         while bound. Binding twice, or binding on a store-backed EngramStore, is rejected."""
         layer = self._layer(layer_id)
-        if self._db_path is not None:
+        if self._db_path is not None or self._mooncake is not None:
             raise LayerExists("bind_local is for EngramStore(layers) without a backing store")
         buffers = _check_head_tables(layer, embedding_buffers, "bind_local")
         with self._lock:
@@ -246,8 +289,12 @@ class EngramStore:
         """Remove the layer's tables; returns how many head tables were removed (0 if none).
 
         ``force`` is accepted for compatibility: readers that already opened the table keep
-        their snapshot, so removal never has to wait for them."""
+        their snapshot, so removal never has to wait for them. Mooncake backing: an object
+        read within the master's lease TTL refuses removal unless ``force``."""
         layer = self._layer(layer_id)
+        if self._mooncake is not None:
+            with self._lock:
+                return int(self._mooncake.remove(layer.objects, force))
         with self._lock:
             removed = 0
             if layer.bound is not None:
@@ -295,7 +342,11 @@ class EngramStore:
         ``row_ids``: int64, C-contiguous, ``[B, L, H]`` per-head local ids; ``output``:
         writable C-contiguous uint8 ``[B, L, H, row_bytes]``. No implicit conversions; an
         empty batch is a no-op. Warm cost: one gather (EngramDB-backed) or one gather per
-        head (bound memory), split across cores for large batches; no allocation."""
+        head (bound memory), split across cores for large batches; no allocation.
+
+        Mooncake backing: ``output`` must be registered with the store client (an empty
+        batch needs no registration); one ``get_into_ranges`` per call, ~40 us per row on
+        the TCP transport (the store client's per-range cost; docs/distributed.md). A failed read zero-fills ``output``."""
         layer = self._layer(layer_id)
         with _binding_errors():
             check_lookup_ids(row_ids, len(layer.sizes))
@@ -303,20 +354,26 @@ class EngramStore:
             if row_ids.size == 0:
                 return
             bound = layer.bound
-            store = None if bound is not None else self._open_store(layer)
+            mooncake = self._mooncake
+            store = None if bound is not None or mooncake is not None else self._open_store(layer)
             try:
                 check_head_bounds(row_ids, layer.heads)
             except RowIdOutOfRange:
                 output.fill(0)
                 raise
-            if bound is not None:
+            if mooncake is not None:
+                mooncake.lookup_into(layer.objects, row_ids, output)
+            elif bound is not None:
                 _gather_heads(bound, row_ids, output)
             else:
                 assert store is not None
                 store.lookup_into(row_ids, output)
 
     def __repr__(self) -> str:
-        backing = str(self._db_path) if self._db_path else "local"
+        if self._mooncake is not None:
+            backing = "mooncake"
+        else:
+            backing = str(self._db_path) if self._db_path else "local"
         return f"<EngramStore layers={self.get_layer_ids()} backing={backing}>"
 
 

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engramdb.cli._common import library_errors
+from engramdb.database import Database
+from engramdb.integrations import mooncake
+from engramdb.units import parse_size
+
+
+@click.command("publish")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@click.option("--mooncake", "master", required=True, help="Address of mooncake_master (HOST:PORT).")
+@click.option(
+    "--metadata",
+    required=True,
+    help="Metadata server URL (the master's own: http://HOST:8080/metadata).",
+)
+@click.option(
+    "--table",
+    "-t",
+    "tables",
+    multiple=True,
+    help="Table to publish (repeatable). Default: every table.",
+)
+@click.option(
+    "--name", default=None, help="Publication name. Default: the database's directory name."
+)
+@click.option(
+    "--object-size",
+    default=f"{mooncake.DEFAULT_OBJECT_BYTES >> 20}M",
+    show_default=True,
+    help="Largest store object; heads are split into objects of whole rows "
+    "(an object must fit in one storage segment).",
+)
+@click.option(
+    "--local-hostname",
+    default=None,
+    help="Address this client is reached at. Default: $MC_TCP_BIND_ADDRESS or the host's address.",
+)
+@click.option("--protocol", default="tcp", show_default=True, help="Transfer protocol (tcp, rdma).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@library_errors
+def publish(
+    db: str,
+    master: str,
+    metadata: str,
+    tables: tuple[str, ...],
+    name: str | None,
+    object_size: str,
+    local_hostname: str | None,
+    protocol: str,
+    quiet: bool,
+) -> None:
+    """Publish tables of database DB into a Mooncake store so every host can read them.
+
+    Streams each table head by head as store objects, then writes a manifest object
+    (engramdb:NAME:manifest) that `engramdb.integrations.mooncake.open_mooncake` reads to
+    discover the layout. Create-only: publishing a NAME twice is an error.
+    """
+    with Database(db) as database:
+        chosen = list(tables) or database.tables
+        total = sum(
+            database.manifest.tables[t].n_rows * database.manifest.tables[t].row_bytes
+            for t in chosen
+            if t in database
+        )
+        with click.progressbar(
+            length=total, label=f"publishing {len(chosen)} table(s)", hidden=quiet, file=sys.stderr
+        ) as bar:
+            summary = mooncake.publish(
+                database,
+                master=master,
+                metadata=metadata,
+                name=name,
+                tables=chosen,
+                object_bytes=parse_size(object_size),
+                progress=bar.update,
+                local_hostname=local_hostname,
+                protocol=protocol,
+            )
+    click.echo(summary.line())
