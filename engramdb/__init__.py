@@ -18,6 +18,7 @@ from engramdb.client import Client, RemoteStore, RemoteView, connect  # noqa: E4
 from engramdb.database import Database, open  # noqa: E402,A004
 from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
 from engramdb.integrations.mooncake import open_mooncake  # noqa: E402
+from engramdb.io import IoUringPageReader, PageReader  # noqa: E402
 from engramdb.store import Store  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
 
@@ -28,6 +29,8 @@ __all__ = [
     "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",
+    "IoUringPageReader",
+    "PageReader",
     "RemoteStore",
     "RemoteView",
     "Store",

@@ -9,7 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engramdb.errors import CorruptManifest, DatabaseNotFound, StoreClosed, TableNotFound
+from engramdb.errors import (
+    CorruptManifest,
+    DatabaseNotFound,
+    InvalidArgument,
+    StoreClosed,
+    TableNotFound,
+)
+from engramdb.io import BACKENDS
 from engramdb.layouts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from engramdb.store import Store, open_shards
 
@@ -38,11 +45,23 @@ class Database:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, backend: str = "auto", populate: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        backend: str = "auto",
+        populate: bool = False,
+        ram_budget: int | str | None = None,
+        **backend_options: Any,
     ):
+        if backend not in BACKENDS:
+            raise InvalidArgument(
+                f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self.backend = backend
+        self.ram_budget = ram_budget
+        self._backend_options = backend_options
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -77,7 +96,13 @@ class Database:
                     raise TableNotFound(
                         f"no table {name!r} in {str(self.path)!r} (tables: {self.tables})"
                     )
-                store = Store(self.path, info)
+                store = Store(
+                    self.path,
+                    info,
+                    backend=self.backend,
+                    ram_budget=self.ram_budget,
+                    **self._backend_options,
+                )
                 self._stores[name] = store
             return store
 
@@ -111,9 +136,22 @@ class Database:
         return f"<Database {str(self.path)!r} tables={self.tables}>"
 
 
-def open(
-    path: str | os.PathLike[str], *, backend: str = "auto", populate: bool = False
-) -> Database:  # noqa: A001
-    """Open the database at ``path``. ``populate=True`` faults every table into the page
-    tables first (reads it from the device if cold)."""
-    return Database(path, backend=backend, populate=populate)
+def open(  # noqa: A001
+    path: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    populate: bool = False,
+    ram_budget: int | str | None = None,
+    **backend_options: Any,
+) -> Database:
+    """Open the database at ``path``.
+
+    ``backend``: ``"auto"`` (mmap gathers for page-cache-resident data, io_uring — else
+    preadv — for cold data, decided per batch), ``"mmap"``, ``"preadv"`` or ``"io_uring"``.
+    ``populate=True`` faults every table into the page tables first (reads it from the device
+    if cold). ``ram_budget`` (bytes or ``"8G"``) gives each table a RAM tier of that size.
+    ``backend_options`` go to the backend (e.g. ``threads=`` for preadv, ``direct=`` for
+    io_uring)."""
+    return Database(
+        path, backend=backend, populate=populate, ram_budget=ram_budget, **backend_options
+    )

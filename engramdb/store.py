@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engramdb.errors import CorruptFile, StoreClosed, TruncatedFile
+from engramdb.cache import RowCache
+from engramdb.errors import CorruptFile, InvalidArgument, StoreClosed, TruncatedFile
+from engramdb.io import Backend, make_backend
 from engramdb.io.gather import take_rows
-from engramdb.io.mapping import ShardMapping
+from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
 from engramdb.layouts.manifest import TableInfo
+from engramdb.plan import assemble, locate, plan_reads
+from engramdb.units import parse_size
 from engramdb.validate import (
     as_rowids,
     check_bounds,
@@ -67,7 +72,15 @@ class Store:
     only after validation passed, so a bad id never leaves a half-written buffer.
     """
 
-    def __init__(self, db_path: str | os.PathLike[str], info: TableInfo):
+    def __init__(
+        self,
+        db_path: str | os.PathLike[str],
+        info: TableInfo,
+        *,
+        backend: str = "auto",
+        ram_budget: int | str | None = None,
+        **backend_options: Any,
+    ):
         self._db = Path(db_path)
         self.info = info
         self.name = info.name
@@ -83,12 +96,31 @@ class Store:
                 self._fds, [s.bytes for s in info.shards]
             )
             self._table: np.ndarray | None = self._mapping.array(self.n_rows, self.row_bytes)
+            for fd in self._fds:
+                # The table is read at random: no read-ahead on the syscall paths either.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            flat = self._table.reshape(-1)
+            regions = {}
+            start = 0
+            for fd, sh in zip(self._fds, info.shards):
+                regions[fd] = flat[start : start + sh.bytes]
+                start += sh.bytes
+            self._backend: Backend | None = make_backend(
+                backend, regions=regions, **backend_options
+            )
         except BaseException:
+            if getattr(self, "_mapping", None) is not None:
+                self._mapping.close()
             for fd in self._fds:
                 os.close(fd)
             raise
+        self.backend_name = backend
+        self._fd_array = np.asarray(self._fds, dtype=np.int32)
         self._scratch = threading.local()
         self._counters = {"fetch_calls": 0, "rows_fetched": 0}
+        self._cache: RowCache | None = None
+        if ram_budget is not None:
+            self._cache = RowCache(self.row_bytes, parse_size(ram_budget), self.n_rows)
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -114,8 +146,56 @@ class Store:
         return f"<Store {self.name!r} {state}, {self.n_heads} heads>"
 
     # -- reads -------------------------------------------------------------------------------
+    def _scratch_bytes(self, name: str, nbytes: int) -> np.ndarray:
+        """A reused per-thread buffer (fresh allocations fault pages in: expensive here)."""
+        buf = getattr(self._scratch, name, None)
+        if buf is None or buf.size < nbytes:
+            buf = np.zeros(max(nbytes, 1 << 16), dtype=np.uint8)
+            setattr(self._scratch, name, buf)
+        return buf[:nbytes]
+
+    def _read_below(self, flat: np.ndarray, out2d: np.ndarray) -> None:
+        """Rows of validated ids from the page cache or the device, through the backend.
+
+        The backend picks the path per batch (``auto``: mmap gather for resident data,
+        io_uring/preadv for cold data); syscall paths dedupe and sort the reads."""
+        table = self._array()
+        backend = self._backend
+        assert backend is not None
+        if not backend.wants_plan and backend.name == "mmap":
+            take_rows(table, flat, out2d)
+            return
+        n = flat.size
+        sample = flat[:: max(1, n // 16)]
+        shard, off = locate(sample, self.info.geometry)
+        chosen = backend.choose(self._fd_array[shard], off, self.row_bytes, batch_rows=n)
+        t0 = time.perf_counter()
+        if not chosen.wants_plan:
+            take_rows(table, flat, out2d)
+        else:
+            plan = plan_reads(flat, self.info.geometry, validated=True)
+            scratch = self._scratch_bytes("reads", plan.scratch_bytes)
+            chosen.read(
+                self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
+            )
+            assemble(plan, scratch, out2d)
+        backend.feedback(chosen, n, time.perf_counter() - t0)
+
     def _gather(self, flat: np.ndarray, out2d: np.ndarray) -> None:
-        take_rows(self._array(), flat, out2d)
+        cache = self._cache
+        if cache is None:
+            self._read_below(flat, out2d)
+        else:
+            miss = cache.get_into(flat, out2d)
+            n_miss = int(np.count_nonzero(miss))
+            if n_miss:
+                missed = flat[miss]
+                rows = self._scratch_bytes("miss", n_miss * self.row_bytes).reshape(
+                    n_miss, self.row_bytes
+                )
+                self._read_below(missed, rows)
+                out2d[miss] = rows
+                cache.admit(missed, rows)
         self._counters["fetch_calls"] += 1
         self._counters["rows_fetched"] += flat.size
 
@@ -186,7 +266,13 @@ class Store:
         Afterwards warm gathers run at memory speed. ``progress`` gets byte counts."""
         if self._mapping is None:
             raise StoreClosed(f"table {self.name!r} is closed")
-        self._mapping.populate(threads=threads, progress=progress)
+        # With MADV_RANDOM a cold populate reads page by page (~60 MB/s here); sequential
+        # advice lets read-ahead stream it at device speed.
+        self._mapping.advise(MADV_SEQUENTIAL)
+        try:
+            self._mapping.populate(threads=threads, progress=progress)
+        finally:
+            self._mapping.advise(MADV_RANDOM)
 
     def residency(self) -> float:
         """Fraction of the table's pages in the page cache (0..1), via ``mincore``."""
@@ -194,14 +280,55 @@ class Store:
             raise StoreClosed(f"table {self.name!r} is closed")
         return self._mapping.residency()
 
+    # -- RAM tier ----------------------------------------------------------------------------
+    @property
+    def cache(self) -> RowCache | None:
+        """The RAM tier (``ram_budget=`` at open), or None."""
+        return self._cache
+
+    def load_hot(self, rows: Any = None, *, limit: int | None = None) -> int:
+        """Pin hot rows in the RAM tier, most frequent first: ``rows`` (global ids in priority
+        order) or, by default, the hot set `engramdb index` wrote for this table. Reads them
+        once through the normal read path. Returns how many rows were pinned."""
+        if self._cache is None:
+            raise InvalidArgument(f"table {self.name!r} has no RAM tier: open with ram_budget=")
+        if rows is None:
+            from engramdb.index import load_index
+
+            rows = load_index(self._db, self.name).hot_rows
+        ids = as_rowids(rows).reshape(-1)
+        check_bounds(ids, self.n_rows)
+        ids = ids[: min(ids.size, self._cache.max_hot if limit is None else limit)]
+        data = np.empty((ids.size, self.row_bytes), dtype=np.uint8)
+        if ids.size:
+            self._read_below(ids, data)
+        return self._cache.load_hot(ids, data)
+
     def stats(self) -> dict[str, Any]:
-        return {"table": self.name, "backend": "mmap", **self._counters}
+        """Counters: calls and rows served, the backend's requests/bytes/syscalls (and for
+        ``auto`` which path served how many batches), and the RAM tier's hits/misses."""
+        out: dict[str, Any] = {"table": self.name, "backend": self.backend_name, **self._counters}
+        b = self._backend
+        if b is not None:
+            out["io"] = b.stats.as_dict()
+            choices = getattr(b, "choices", None)
+            if choices is not None:  # auto: which path served how many batches
+                out["choices"] = dict(choices)
+                cold = getattr(b, "cold", None)
+                if cold is not None:
+                    out["io"] = cold.stats.as_dict()
+        if self._cache is not None:
+            out["cache"] = self._cache.stats.as_dict()
+        return out
 
     def close(self) -> None:
         """Release the mapping and file descriptors. Later calls raise `StoreClosed`."""
         if self._table is None:
             return
         self._table = None
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None

@@ -1,0 +1,144 @@
+"""PageReader / IoUringPageReader: pages in one buffer, validated offsets and descriptors."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb.io.uring as uring_mod
+from engramdb.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidDtype,
+    ReadError,
+    ShapeMismatch,
+)
+from engramdb.io import IoUringBackend, IoUringPageReader, PageReader, PreadvBackend
+
+PAGE = 4096
+URING_OK, URING_WHY = IoUringBackend.availability()
+
+
+def _readers() -> list[str]:
+    return ["preadv", "io_uring", "io_uring_direct"] if URING_OK else ["preadv"]
+
+
+def _make(kind: str, page_size: int = PAGE) -> PageReader:
+    if kind == "preadv":
+        return PageReader(page_size)
+    return IoUringPageReader(page_size, entries=32, direct=kind == "io_uring_direct")
+
+
+@pytest.fixture
+def pages_file(tmp_path: Path) -> Iterator[tuple[int, np.ndarray, Path]]:
+    data = np.random.default_rng(4).integers(0, 256, 64 * PAGE + 100, dtype=np.uint8)
+    path = tmp_path / "p.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data, path
+    os.close(fd)
+
+
+@pytest.mark.parametrize("kind", _readers())
+def test_read_pages_exact(kind: str, pages_file: tuple[int, np.ndarray, Path]) -> None:
+    fd, data, _ = pages_file
+    pages = np.array([5, 0, 63, 5, 17, 2], dtype=np.int64)
+    with _make(kind) as reader:
+        got = reader.read_pages(fd, pages * PAGE)
+        assert got.shape == (6, PAGE) and got.dtype == np.uint8
+        want = data[: 64 * PAGE].reshape(64, PAGE)[pages]
+        np.testing.assert_array_equal(got, want)
+        as_list = reader.read_pages_list([fd] * 2, pages[:2] * PAGE)
+        assert as_list == [want[0].tobytes(), want[1].tobytes()]
+
+
+@pytest.mark.parametrize("kind", _readers())
+def test_read_pages_into_out_and_many_files(
+    kind: str, pages_file: tuple[int, np.ndarray, Path], tmp_path: Path
+) -> None:
+    fd, data, _ = pages_file
+    other = tmp_path / "q.bin"
+    data2 = data[::-1].copy()
+    other.write_bytes(data2.tobytes())
+    fd2 = os.open(other, os.O_RDONLY)
+    try:
+        rng = np.random.default_rng(1)
+        n = 300
+        which = rng.random(n) < 0.5
+        fds = np.where(which, fd, fd2)
+        pages = rng.integers(0, 64, n)
+        out = np.zeros((n, PAGE), dtype=np.uint8)
+        with _make(kind) as reader:
+            assert reader.read_pages(fds, pages * PAGE, out=out) is out
+        a = data[: 64 * PAGE].reshape(64, PAGE)
+        b = data2[: 64 * PAGE].reshape(64, PAGE)
+        np.testing.assert_array_equal(out, np.where(which[:, None], a[pages], b[pages]))
+    finally:
+        os.close(fd2)
+
+
+@pytest.mark.parametrize("kind", _readers())
+def test_read_pages_validation(kind: str, pages_file: tuple[int, np.ndarray, Path]) -> None:
+    fd, _, path = pages_file
+    with _make(kind) as reader:
+        with pytest.raises(InvalidArgument, match="position 1"):
+            reader.read_pages(fd, np.array([0, 100]))
+        with pytest.raises(InvalidArgument):
+            reader.read_pages(fd, np.array([-PAGE]))
+        with pytest.raises(InvalidDtype):
+            reader.read_pages(fd, np.array([0.0]))
+        with pytest.raises(ShapeMismatch):
+            reader.read_pages([fd, fd], np.array([0]))
+        with pytest.raises(ShapeMismatch):
+            reader.read_pages(fd, np.array([0]), out=np.zeros((2, PAGE), dtype=np.uint8))
+        with pytest.raises(ReadError) as info:
+            reader.read_pages((1 << 30) + 7, np.array([0]))
+        assert info.value.errno == errno.EBADF
+        r, w = os.pipe()
+        try:
+            with pytest.raises(InvalidArgument, match="not a regular file"):
+                reader.read_pages(r, np.array([0]))
+        finally:
+            os.close(r)
+            os.close(w)
+        # the partial last page and a page past the end are both errors
+        with pytest.raises(ReadError, match="p.bin"):
+            reader.read_pages(fd, np.array([64 * PAGE]))
+        with pytest.raises(ReadError):
+            reader.read_pages(fd, np.array([80 * PAGE]))
+        assert reader.read_pages(fd, np.empty(0, np.int64)).shape == (0, PAGE)
+
+
+def test_page_size_must_be_sector_multiple() -> None:
+    with pytest.raises(InvalidArgument):
+        PageReader(1000)
+    with pytest.raises(InvalidArgument):
+        PageReader(0)
+
+
+def test_small_pages(pages_file: tuple[int, np.ndarray, Path]) -> None:
+    fd, data, _ = pages_file
+    with PageReader(512) as reader:
+        got = reader.read_pages(fd, np.array([512, 1024 * 7]))
+    np.testing.assert_array_equal(got[0], data[512:1024])
+    np.testing.assert_array_equal(got[1], data[7168 : 7168 + 512])
+
+
+def test_shared_backend_is_not_closed(pages_file: tuple[int, np.ndarray, Path]) -> None:
+    fd, _, _ = pages_file
+    shared = PreadvBackend(threads=2)
+    PageReader(backend=shared).close()
+    assert not shared.closed
+    shared.close()
+
+
+def test_io_uring_page_reader_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(uring_mod.DISABLE_ENV, "1")
+    with pytest.raises(BackendUnavailable, match=uring_mod.DISABLE_ENV):
+        IoUringPageReader()
+    PageReader().close()  # the preadv reader is unaffected
