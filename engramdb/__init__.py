@@ -21,6 +21,7 @@ from engramdb.integrations.mooncake import open_mooncake  # noqa: E402
 from engramdb.io import IoUringPageReader, PageReader  # noqa: E402
 from engramdb.store import Store  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
+from engramdb.view import View, ViewBuildSummary, build_view, open_view, verify_views  # noqa: E402
 
 __all__ = [
     "BuildSummary",
@@ -34,12 +35,17 @@ __all__ = [
     "RemoteStore",
     "RemoteView",
     "Store",
+    "View",
+    "ViewBuildSummary",
     "__version__",
     "build",
+    "build_view",
     "connect",
     "drop_table",
     "keygen",
     "open",
     "open_mooncake",
+    "open_view",
     "verify",
+    "verify_views",
 ]

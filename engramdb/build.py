@@ -350,6 +350,9 @@ def build(
                 dtype=dtype,
                 dim=dim,
                 sources=tuple(provenance_sources),
+                # fields this writer does not know (e.g. views) are carried over: a rebuilt
+                # table's views then open as stale instead of vanishing
+                extra=dict(current.tables[table].extra) if table in current.tables else {},
                 provenance={
                     "engramdb_version": __version__,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from engramdb.validate import (
     check_lookup_ids,
     check_output,
 )
+
+
+if TYPE_CHECKING:
+    from engramdb.view import View
 
 
 def open_shards(db: Path, info: TableInfo) -> list[int]:
@@ -119,6 +123,8 @@ class Store:
         self._scratch = threading.local()
         self._counters = {"fetch_calls": 0, "rows_fetched": 0}
         self._cache: RowCache | None = None
+        self._views: dict[str, View] = {}
+        self._views_lock = threading.Lock()
         if ram_budget is not None:
             self._cache = RowCache(self.row_bytes, parse_size(ram_budget), self.n_rows)
 
@@ -280,6 +286,20 @@ class Store:
             raise StoreClosed(f"table {self.name!r} is closed")
         return self._mapping.residency()
 
+    # -- Store-P views -------------------------------------------------------------------------
+    def view(self, name: str, **options: Any) -> View:
+        """Store-P view ``name`` of this table, opened on first use and kept until `close`
+        (reads the manifest and two header pages, no data). ``options`` (hasher, key_hash,
+        backend, backend_options) apply at first open; misses are served by this store."""
+        from engramdb.view import open_view  # engramdb.view imports this module
+
+        with self._views_lock:
+            v = self._views.get(name)
+            if v is None or v.closed:
+                v = open_view(self._db, self, name, **options)
+                self._views[name] = v
+            return v
+
     # -- RAM tier ----------------------------------------------------------------------------
     @property
     def cache(self) -> RowCache | None:
@@ -325,6 +345,9 @@ class Store:
         """Release the mapping and file descriptors. Later calls raise `StoreClosed`."""
         if self._table is None:
             return
+        for v in self._views.values():
+            v.close()
+        self._views.clear()
         self._table = None
         if self._backend is not None:
             self._backend.close()

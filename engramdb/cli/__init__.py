@@ -11,6 +11,7 @@ from engramdb.cli.index_cmd import index_cmd
 from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
 from engramdb.cli.publish_cmd import publish
 from engramdb.cli.serve_cmd import serve
+from engramdb.cli.view_cmd import view_group
 from engramdb.cli.warm_cmd import warm_cmd
 
 
@@ -32,3 +33,4 @@ main.add_command(index_cmd)
 main.add_command(warm_cmd)
 main.add_command(serve)
 main.add_command(publish)
+main.add_command(view_group)

@@ -40,21 +40,32 @@ def info_cmd(db: str, as_json: bool) -> None:
 @click.command("verify")
 @click.argument("db", type=click.Path(exists=True, file_okay=False))
 @click.option("--table", "-t", "tables", multiple=True, help="Only these tables (repeatable).")
+@click.option(
+    "--full", is_flag=True, help="Compare every view slot with Store-I (default: a sample)."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @library_errors
-def verify_cmd(db: str, tables: tuple[str, ...], quiet: bool) -> None:
-    """Recompute every shard checksum of DB. Exit status 1 names each bad table, shard and
-    byte range."""
+def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool) -> None:
+    """Recompute every shard checksum of DB and check its Store-P views (checksums, and
+    slots against Store-I rows). Exit status 1 names each bad table, shard and byte range."""
+    from engramdb.view import verify_views, views_bytes
+
     names = list(tables) or None
-    with click.progressbar(
-        length=total_bytes(db, names), label="verifying", hidden=quiet, file=sys.stderr
-    ) as bar:
+    total = total_bytes(db, names) + views_bytes(db, names)
+    with click.progressbar(length=total, label="verifying", hidden=quiet, file=sys.stderr) as bar:
         problems = verify(db, tables=names, progress=bar.update)
-    if problems:
-        for p in problems:
-            click.echo(f"MISMATCH {p.line()}", err=True)
+        view_problems = verify_views(
+            db,
+            tables=names,
+            full=full,
+            progress=bar.update,
+            notes=lambda m: click.echo(f"note: {m}", err=True),
+        )
+    for p in [*problems, *view_problems]:
+        click.echo(f"MISMATCH {p.line()}", err=True)
+    if problems or view_problems:
         sys.exit(1)
-    click.echo("ok: every shard matches its manifest checksum")
+    click.echo("ok: every shard matches its manifest checksum; views match Store-I")
 
 
 @click.command("drop")
