@@ -17,12 +17,15 @@ ever open files the manifest names.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import mmap
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +41,7 @@ from engramdb.errors import (
     SourceError,
     TableExists,
 )
-from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, plan_geometry
+from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
 from engramdb.layouts.manifest import (
     CHECK_BLOCK_BYTES,
     EMPTY,
@@ -51,7 +54,7 @@ from engramdb.layouts.manifest import (
 )
 from engramdb.sources import Segment, SourceLike, resolve_sources
 
-#: Size of the one reusable copy buffer: bounds build memory regardless of table size.
+#: Size of each of the two reusable read buffers: bounds build memory whatever the table size.
 CHUNK_BYTES = 16 * 1024 * 1024
 LOCK_NAME = ".lock"
 
@@ -141,8 +144,18 @@ def collect_garbage(db: Path, manifest: Manifest) -> None:
         tmp.unlink(missing_ok=True)
 
 
+#: Bytes staged before one write; page-aligned memory so the write can bypass the page cache.
+STAGE_BYTES = 8 * 1024 * 1024
+
+
 class _ShardWriter:
-    """Writes a byte stream into consecutive shard files of fixed size, hashing each."""
+    """Writes a byte stream into consecutive shard files of fixed size, hashing each.
+
+    Data goes through a page-aligned staging buffer and is written with ``O_DIRECT`` where the
+    filesystem allows it: on these machines buffered writes of a fresh file crawl at ~0.4 GB/s
+    (page-cache allocation and writeback), direct writes run at device speed (~1.3 GB/s).
+    A shard's last partial page is written buffered (``O_DIRECT`` needs aligned lengths).
+    """
 
     def __init__(
         self,
@@ -156,7 +169,10 @@ class _ShardWriter:
         self._rows_per_shard = rows_per_shard
         self._index = -1
         self._fd = -1
+        self._direct = False
         self._left = 0
+        self._stage = mmap.mmap(-1, STAGE_BYTES)  # anonymous mappings are page-aligned
+        self._staged = 0
         self._hash = xxhash.xxh3_64()
         self._block_hash = xxhash.xxh3_64()
         self._block_left = CHECK_BLOCK_BYTES
@@ -164,8 +180,45 @@ class _ShardWriter:
         self.shards: list[ShardInfo] = []
         self._next()
 
+    def _write_all(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.write(self._fd, data[done:])
+
+    def _flush(self, final: bool) -> None:
+        """Write the staged bytes; at a shard's end the unaligned tail goes buffered."""
+        staged = memoryview(self._stage)[: self._staged]
+        aligned = len(staged) - len(staged) % PAGE if self._direct else len(staged)
+        if aligned:
+            try:
+                self._write_all(staged[:aligned])
+            except OSError as e:
+                if not self._direct or e.errno != errno.EINVAL:
+                    raise
+                self._set_direct(False)  # the filesystem refused: stay buffered
+                self._write_all(staged[:aligned])
+        rest = len(staged) - aligned
+        if rest:
+            if not final:  # keep the tail for the next flush (only happens at shard end)
+                self._stage[:rest] = bytes(staged[aligned:])
+                self._staged = rest
+                return
+            self._set_direct(False)
+            self._write_all(staged[aligned:])
+        self._staged = 0
+
+    def _set_direct(self, on: bool) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        flags = flags | os.O_DIRECT if on else flags & ~os.O_DIRECT
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+            self._direct = on
+        except OSError:
+            self._direct = False
+
     def _next(self) -> None:
         if self._fd >= 0:
+            self._flush(final=True)
             os.fsync(self._fd)
             os.close(self._fd)
             i = self._index
@@ -184,6 +237,7 @@ class _ShardWriter:
         if self._index < len(self._sizes):
             name = self._dir / f"shard-{self._index:05d}.edb"
             self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._set_direct(hasattr(os, "O_DIRECT"))
             self._left = self._sizes[self._index]
             self._hash = xxhash.xxh3_64()
             self._block_hash = xxhash.xxh3_64()
@@ -192,7 +246,7 @@ class _ShardWriter:
 
     def write(self, data: memoryview) -> None:
         while len(data):
-            n = min(len(data), self._left, self._block_left)
+            n = min(len(data), self._left, self._block_left, STAGE_BYTES - self._staged)
             part = data[:n]
             self._hash.update(part)
             self._block_hash.update(part)
@@ -201,40 +255,61 @@ class _ShardWriter:
                 self._blocks.append(self._block_hash.hexdigest())
                 self._block_hash = xxhash.xxh3_64()
                 self._block_left = CHECK_BLOCK_BYTES
-            done = 0
-            while done < n:
-                done += os.write(self._fd, part[done:])
+            self._stage[self._staged : self._staged + n] = part
+            self._staged += n
             data = data[n:]
             self._left -= n
             if self._left == 0:
                 self._next()
+            elif self._staged == STAGE_BYTES:
+                self._flush(final=False)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._stage.close()
 
 
-def _stream_segment(seg: Segment, buf: memoryview) -> Iterator[memoryview]:
-    """Yield the segment's bytes in chunks (file segments reuse ``buf``)."""
+def _stream_segment(seg: Segment, bufs: tuple[memoryview, memoryview]) -> Iterator[memoryview]:
+    """Yield the segment's bytes in chunks. File segments alternate between the two
+    buffers: the next chunk is read in a background thread (``readinto`` releases the GIL)
+    while the caller hashes and writes the current one, so reading overlaps writing."""
+    size = len(bufs[0])
     if seg.array is not None:
         flat = memoryview(np.ascontiguousarray(seg.array).reshape(-1).view(np.uint8))
-        for start in range(0, seg.nbytes, len(buf)):
-            yield flat[start : start + len(buf)]
+        for start in range(0, seg.nbytes, size):
+            yield flat[start : start + size]
         return
     assert seg.path is not None
-    with open(seg.path, "rb", buffering=0) as f:
-        f.seek(seg.offset)
-        left = seg.nbytes
-        while left:
-            n = f.readinto(buf[: min(len(buf), left)])
-            if not n:
-                raise ReadError(
-                    f"source {seg.label!r} ended early: {left} bytes missing at offset "
-                    f"{seg.offset + seg.nbytes - left}"
-                )
-            left -= n
-            yield buf[:n]
+    with open(seg.path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
+        # Sources are read once, front to back: widen read-ahead.
+        os.posix_fadvise(f.fileno(), seg.offset, seg.nbytes, os.POSIX_FADV_SEQUENTIAL)
+        end = seg.offset + seg.nbytes
+
+        def read(pos: int, buf: memoryview) -> memoryview:
+            want = min(size, end - pos)
+            got = 0
+            while got < want:
+                n = os.preadv(f.fileno(), [buf[got:want]], pos + got)
+                if not n:
+                    raise ReadError(
+                        f"source {seg.label!r} ended early: {end - pos - got} bytes missing at "
+                        f"offset {pos + got}"
+                    )
+                got += n
+            return buf[:want]
+
+        pos = seg.offset
+        pending = reader.submit(read, pos, bufs[0])
+        k = 0
+        while pos < end:
+            chunk = pending.result()
+            pos += len(chunk)
+            k += 1
+            if pos < end:
+                pending = reader.submit(read, pos, bufs[k % 2])
+            yield chunk
 
 
 def _parse_heads(heads: Sequence[int] | None) -> list[int] | None:
@@ -330,9 +405,9 @@ def build(
                 geo.rows_per_shard,
             )
             try:
-                buf = memoryview(bytearray(CHUNK_BYTES))
+                bufs = (memoryview(bytearray(CHUNK_BYTES)), memoryview(bytearray(CHUNK_BYTES)))
                 for seg in segments:
-                    for chunk in _stream_segment(seg, buf):
+                    for chunk in _stream_segment(seg, bufs):
                         writer.write(chunk)
                         if progress is not None:
                             progress(len(chunk))
