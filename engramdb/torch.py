@@ -74,7 +74,24 @@ class _Decoder:
         return out.to(self.out_dtype)
 
 
-class DiskEmbedding(nn.Module):
+class _DiskTable(nn.Module):
+    """A read-only EngramDB table decoded by its dtype hint (shared by the modules below)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        out_dtype: torch.dtype | None = None,
+        scale: float | None = None,
+        dim: int | None = None,
+    ):
+        super().__init__()
+        self.store = store
+        self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
+        self._decode = _Decoder(self.codec, out_dtype, scale)
+
+
+class DiskEmbedding(_DiskTable):
     """``nn.Embedding`` whose weight is an EngramDB table (global row ids).
 
     ``forward(ids)`` returns ``[*ids.shape, dim]`` in the table's dtype (or ``out_dtype``).
@@ -91,10 +108,7 @@ class DiskEmbedding(nn.Module):
         scale: float | None = None,
         dim: int | None = None,
     ):
-        super().__init__()
-        self.store = store
-        self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
-        self._decode = _Decoder(self.codec, out_dtype, scale)
+        super().__init__(store, out_dtype=out_dtype, scale=scale, dim=dim)
         self.num_embeddings = store.n_rows
         self.embedding_dim = self.codec.dim
         self._staging = threading.local()
@@ -125,7 +139,7 @@ class DiskEmbedding(nn.Module):
         )
 
 
-class DiskMultiHeadEmbedding(nn.Module):
+class DiskMultiHeadEmbedding(_DiskTable):
     """Per-head lookup: int64 local ids ``[B, L, H]`` → ``[B, L, H, dim]``.
 
     Keeps an ``offsets`` buffer (the global id of each head's row 0) like the in-memory
@@ -141,10 +155,7 @@ class DiskMultiHeadEmbedding(nn.Module):
         scale: float | None = None,
         dim: int | None = None,
     ):
-        super().__init__()
-        self.store = store
-        self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
-        self._decode = _Decoder(self.codec, out_dtype, scale)
+        super().__init__(store, out_dtype=out_dtype, scale=scale, dim=dim)
         self.register_buffer(
             "offsets", torch.from_numpy(store.head_offsets.copy()), persistent=False
         )

@@ -36,29 +36,20 @@ __all__ = [
     "resident_pages",
 ]
 
-PAGE = mmap.PAGESIZE
-_MADV_RANDOM = 1
-_MADV_WILLNEED = 3
-_MADV_DONTNEED = 4
-_MADV_POPULATE_READ = 22
-_MAP_FAILED = ctypes.c_void_p(-1).value
+from engramdb.io.mapping import (  # noqa: E402  one set of libc bindings
+    MADV_DONTNEED,
+    MADV_POPULATE_READ,
+    MADV_RANDOM,
+    MADV_WILLNEED,
+    _libc,
+)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+PAGE = mmap.PAGESIZE
+_MADV_RANDOM = MADV_RANDOM
+_MADV_WILLNEED = MADV_WILLNEED
+_MADV_DONTNEED = MADV_DONTNEED
+_MADV_POPULATE_READ = MADV_POPULATE_READ
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _oserror(what: str) -> OSError:
