@@ -16,10 +16,13 @@ from engramdb import keygen  # noqa: E402
 from engramdb.build import BuildSummary, build, drop_table  # noqa: E402
 from engramdb.client import Client, RemoteStore, RemoteView, connect  # noqa: E402
 from engramdb.database import Database, open  # noqa: E402,A004
+from engramdb.decode import Decoder  # noqa: E402
 from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig  # noqa: E402
 from engramdb.integrations.mooncake import open_mooncake  # noqa: E402
 from engramdb.io import IoUringPageReader, PageReader  # noqa: E402
+from engramdb.prefetch import Prefetcher, Ticket  # noqa: E402
 from engramdb.store import Store  # noqa: E402
+from engramdb.stream import stream  # noqa: E402
 from engramdb.verify import verify  # noqa: E402
 from engramdb.view import View, ViewBuildSummary, build_view, open_view, verify_views  # noqa: E402
 
@@ -27,14 +30,17 @@ __all__ = [
     "BuildSummary",
     "Client",
     "Database",
+    "Decoder",
     "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",
     "IoUringPageReader",
     "PageReader",
+    "Prefetcher",
     "RemoteStore",
     "RemoteView",
     "Store",
+    "Ticket",
     "View",
     "ViewBuildSummary",
     "__version__",
@@ -46,6 +52,7 @@ __all__ = [
     "open",
     "open_mooncake",
     "open_view",
+    "stream",
     "verify",
     "verify_views",
 ]

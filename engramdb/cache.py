@@ -43,6 +43,7 @@ class CacheStats:
     evictions: int = 0
     admitted: int = 0
     hot_rows: int = 0
+    bypassed: int = 0  # rows of batches served past the tier (Store: sampled hit rate too low)
 
     @property
     def hit_rate(self) -> float:
@@ -56,6 +57,7 @@ class CacheStats:
             "evictions": self.evictions,
             "admitted": self.admitted,
             "hot_rows": self.hot_rows,
+            "bypassed": self.bypassed,
             "hit_rate": self.hit_rate,
         }
 
@@ -230,6 +232,11 @@ class RowCache:
             self.stats.hits += n_hit
             self.stats.misses += ids.size - n_hit
             return ~hit
+
+    def present(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each of ``ids`` is cached, from the presence bitmap alone (one gather, no
+        lock: an estimate under concurrent admissions, exact otherwise). No stats."""
+        return self._maybe_present(ids)
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         with self._lock:

@@ -106,6 +106,15 @@ class Database:
                 self._stores[name] = store
             return store
 
+    def stream(
+        self, corpus: Any, *, preset: Any, table: str | None = None, **options: Any
+    ) -> Iterator[tuple[Any, Any]]:
+        """Stream ``(token_ids, e_t)`` batches of ``corpus`` from ``table``, read ahead in a
+        background thread: see `engramdb.stream.stream` for the options."""
+        from engramdb.stream import stream
+
+        return stream(self, corpus, preset=preset, table=table, **options)
+
     def info(self) -> dict[str, Any]:
         """The manifest as a plain dict plus per-table sizes (no I/O beyond open)."""
         doc: dict[str, Any] = {

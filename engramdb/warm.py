@@ -1,9 +1,14 @@
-"""``warm``: bring tables into the page cache at device speed, and report residency.
+"""``warm``: bring tables into the page cache at device speed, or a table's hot set into its
+RAM tier, and report residency.
 
 Page-cache warming faults the table's mapping in with ``MADV_POPULATE_READ`` from background
 threads (ctypes releases the GIL), chunk by chunk: one ``WILLNEED`` over a whole file would
 only start ~8 MiB of read-ahead. Afterwards the mapping's page tables are filled, so the warm
 gather path runs at memory speed at once.
+
+Hot-set warming (`warm_hot`) reads the rows `engramdb index` ranked most frequent, most
+frequent first, through the normal read path and pins them in the RAM tier (the tier lives
+in the process: warm it in the process that serves, e.g. before ``serve`` takes requests).
 """
 
 from __future__ import annotations
@@ -57,4 +62,59 @@ def warm_tables(
         store.populate(threads=threads, progress=progress)
         dt = time.perf_counter() - t0
         out.append(WarmSummary(name, store.nbytes, dt, before, store.residency()))
+    return out
+
+
+def warm_view(db: Database, table: str, name: str, *, threads: int = 4) -> WarmSummary:
+    """Populate Store-P view ``name`` of ``table`` (its records and key index) into the page
+    tables; reads it from the device if cold. The summary names it ``table/name``."""
+    view = db[table].view(name)
+    before = view.residency()
+    t0 = time.perf_counter()
+    view.populate(threads=threads)
+    dt = time.perf_counter() - t0
+    return WarmSummary(f"{table}/{name}", view.nbytes, dt, before, view.residency())
+
+
+@dataclass(frozen=True)
+class HotSummary:
+    table: str
+    rows: int
+    hot_rows: int
+    bytes: int
+    budget_bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+    def line(self) -> str:
+        return (
+            f"hot set of {self.table!r}: pinned {self.rows:,} of {self.hot_rows:,} hot rows "
+            f"({self.bytes / 1e6:.1f} MB of a {self.budget_bytes / 1e6:.1f} MB tier) in "
+            f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)"
+        )
+
+
+def warm_hot(db: Database, tables: list[str] | None = None) -> list[HotSummary]:
+    """Pin each table's hot set (from ``engramdb index``) in its RAM tier, most frequent rows
+    first, up to the tier's hot share. The database must be opened with ``ram_budget=``.
+    Cost: one read of the pinned rows (random reads when cold)."""
+    from engramdb.index import load_index
+
+    out = []
+    for name in tables or db.tables:
+        store = db[name]
+        hot = load_index(db.path, name).hot_rows
+        t0 = time.perf_counter()
+        pinned = store.load_hot(hot)
+        dt = time.perf_counter() - t0
+        cache = store.cache
+        assert cache is not None
+        out.append(
+            HotSummary(
+                name, pinned, int(hot.size), pinned * store.row_bytes, cache.budget_bytes, dt
+            )
+        )
     return out

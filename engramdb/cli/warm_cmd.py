@@ -6,24 +6,64 @@ import click
 
 from engramdb.cli._common import library_errors
 from engramdb.database import Database
-from engramdb.warm import residency, warm_tables
+from engramdb.errors import InvalidArgument
+from engramdb.warm import residency, warm_hot, warm_tables, warm_view
 
 
 @click.command("warm")
 @click.argument("db", type=click.Path(exists=True, file_okay=False))
 @click.option("--table", "-t", "tables", multiple=True, help="Only these tables (repeatable).")
+@click.option("--view", "view", default=None, help="Warm this Store-P view of --table instead.")
 @click.option("--threads", default=4, show_default=True, help="Background populate threads.")
+@click.option(
+    "--hot",
+    is_flag=True,
+    help="Pin the hot set from `engramdb index` in the RAM tier instead (needs --ram-budget).",
+)
+@click.option("--ram-budget", default=None, help="RAM tier size per table, e.g. 8G (with --hot).")
 @click.option("--check", is_flag=True, help="Only report page-cache residency; read nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @library_errors
-def warm_cmd(db: str, tables: tuple[str, ...], threads: int, check: bool, quiet: bool) -> None:
+def warm_cmd(
+    db: str,
+    tables: tuple[str, ...],
+    view: str | None,
+    threads: int,
+    hot: bool,
+    ram_budget: str | None,
+    check: bool,
+    quiet: bool,
+) -> None:
     """Load tables of DB into the page cache at device speed (MADV_POPULATE_READ from
-    background threads), or with --check report how much of each is resident."""
-    with Database(db) as d:
+    background threads), or a Store-P view with --table T --view V, or with --hot
+    --ram-budget B pin each table's hot set in a RAM tier of B bytes, or with --check report
+    how much of each is resident."""
+    if hot and ram_budget is None:
+        raise InvalidArgument("--hot needs --ram-budget (the size of the RAM tier)")
+    if ram_budget is not None and not hot:
+        raise InvalidArgument("--ram-budget applies to --hot (the page cache has no budget)")
+    if hot and check:
+        raise InvalidArgument("--check reports page-cache residency; drop --hot")
+    if view is not None and (hot or len(tables) != 1):
+        raise InvalidArgument("--view needs exactly one --table (and no --hot)")
+    with Database(db, ram_budget=ram_budget) as d:
         names = list(tables) or d.tables
+        if view is not None:
+            v = d[names[0]].view(view)
+            if check:
+                click.echo(
+                    f"{names[0]}/{view}: {v.residency():.1%} resident ({v.nbytes / 1e9:.2f} GB)"
+                )
+            else:
+                click.echo(warm_view(d, names[0], view, threads=threads).line())
+            return
         if check:
             for name, frac in residency(d, names).items():
                 click.echo(f"{name}: {frac:.1%} resident ({d[name].nbytes / 1e9:.2f} GB)")
+            return
+        if hot:
+            for h in warm_hot(d, names):
+                click.echo(h.line())
             return
         total = sum(d[n].nbytes for n in names)
         with click.progressbar(length=total, label="warming", hidden=quiet, file=sys.stderr) as bar:

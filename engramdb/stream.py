@@ -1,0 +1,254 @@
+"""Corpus streaming (workload A): ``(token_ids, e_t)`` batches, read ahead of the consumer.
+
+Background workers (two by default, one per core here) take whole batches of the corpus in
+turn, compute every position's row ids (keygen, vectorised) and gather the rows — through the
+store's normal read path, so cold batches go to the device sorted and deduplicated (access
+order) — into a ring of reused output buffers, up to ``depth`` batches ahead of the consumer,
+which receives them in corpus order. With a Store-P
+view (``view=``), each position is one record read instead of ``H`` scattered rows.
+
+::
+
+    for tokens, e_t in engramdb.stream(db, "corpus/", preset="qwen3.8-flash-next"):
+        ...   # tokens [n] (or [s, T]); e_t uint8 [n, H, row_bytes] (or [s, T, H, row_bytes])
+
+``e_t`` lives in a reused buffer: it is valid until the next batch is requested (pass
+``copy=True`` to own it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engramdb.errors import InvalidArgument, SourceError
+from engramdb.store import Store
+
+_DONE = object()
+
+
+def _sequences(corpus: Any, bin_dtype: str | None) -> Iterator[np.ndarray]:
+    """1-D sequences and 2-D ``[S, T]`` blocks of fresh sequences, in corpus order."""
+    if isinstance(corpus, (str, os.PathLike)):
+        from engramdb.index import corpus_files, open_tokens
+
+        for path in corpus_files(Path(corpus)):
+            arr = open_tokens(path, bin_dtype)
+            yield arr[0] if arr.shape[0] == 1 else arr
+        return
+    if isinstance(corpus, np.ndarray):
+        if corpus.ndim not in (1, 2):
+            raise SourceError(f"expected [T] or [S, T] token ids, got shape {corpus.shape}")
+        yield corpus
+        return
+    if isinstance(corpus, Iterable):
+        for seq in corpus:
+            arr = np.asarray(seq)
+            if arr.ndim not in (1, 2):
+                raise SourceError(f"expected [T] or [S, T] token ids, got shape {arr.shape}")
+            yield arr
+        return
+    raise InvalidArgument(f"corpus must be a path, an array or arrays, got {type(corpus).__name__}")
+
+
+def _windows(arr: np.ndarray, batch_tokens: int, hist: int) -> Iterator[tuple[Any, int]]:
+    """``(tokens, skip)`` work units: 1-D chunks carry ``hist`` tokens of look-back whose
+    outputs are dropped (``skip``); 2-D blocks hold whole fresh rows."""
+    if arr.ndim == 1:
+        n = arr.shape[0]
+        for start in range(0, n, batch_tokens):
+            lo = max(0, start - hist)
+            yield arr[lo : min(n, start + batch_tokens)], start - lo
+        return
+    s_total, t = arr.shape
+    if t == 0:
+        return
+    if t >= batch_tokens:
+        for row in arr:
+            yield from _windows(row, batch_tokens, hist)
+        return
+    per = max(1, batch_tokens // t)
+    for i in range(0, s_total, per):
+        yield arr[i : i + per], 0
+
+
+class _Workers:
+    """``workers`` threads, each taking the next batch of the corpus and doing its keygen and
+    its gather on its own thread (numpy releases the GIL in both; a warm gather is not split
+    further), delivered in corpus order. A worker starts batch ``i`` only while
+    ``i < next + depth`` (``next``: the batch the consumer asks for next), so the ring of
+    ``depth + 2`` output buffers is never overwritten under the consumer. An error (from the
+    corpus, keygen or a read) is delivered in its batch's place."""
+
+    def __init__(self, work: Iterator[tuple[Any, int]], produce: Any, depth: int, workers: int):
+        self._work = work
+        self._produce = produce
+        self._depth = depth
+        self._cond = threading.Condition()
+        self._results: dict[int, Any] = {}
+        self._taken = 0  # batches handed to workers
+        self._next = 0  # the batch the consumer asks for next
+        self._total: int | None = None  # known once the corpus is exhausted
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._run, name="engramdb-stream", daemon=True)
+            for _ in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._taken >= self._next + self._depth:
+                    self._cond.wait()
+                if self._stop or self._total is not None:
+                    return
+                i = self._taken
+                try:
+                    item = next(self._work)  # under the lock: the iterator is not thread-safe
+                except StopIteration:
+                    self._total = i
+                    self._cond.notify_all()
+                    return
+                except BaseException as e:
+                    self._results[i] = e
+                    self._total = i + 1
+                    self._cond.notify_all()
+                    return
+                self._taken += 1
+            try:
+                out: Any = self._produce(i, *item)
+            except BaseException as e:
+                out = e
+            with self._cond:
+                self._results[i] = out
+                self._cond.notify_all()
+
+    def get(self) -> Any:
+        """The next batch in corpus order, an exception, or `_DONE`."""
+        with self._cond:
+            i = self._next
+            while i not in self._results and not (self._total is not None and i >= self._total):
+                self._cond.wait()
+            if i not in self._results:
+                return _DONE
+            self._next += 1
+            self._cond.notify_all()
+            return self._results.pop(i)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+def stream(
+    source: Any,
+    corpus: Any,
+    *,
+    preset: Any,
+    layer: int | None = None,
+    table: str | None = None,
+    batch_tokens: int = 8192,
+    depth: int = 2,
+    copy: bool = False,
+    view: Any = None,
+    bin_dtype: str | None = None,
+    workers: int = 2,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield ``(token_ids, e_t)`` for every position of ``corpus``, read ``depth`` batches
+    ahead by a background thread.
+
+    ``source``: a `Database` (``table=`` names the table; optional with one table) or a
+    `Store`. ``corpus``: a token file / directory (as ``engramdb index`` reads), a ``[T]``
+    array (one sequence), ``[S, T]`` (S fresh sequences) or an iterable of such arrays.
+    ``preset``: keygen preset name or `Hasher`; ``layer`` when it has several. A sequence
+    longer than ``batch_tokens`` comes in chunks (ids exactly as one pass over it);
+    ``[S, T]`` blocks come ``batch_tokens // T`` rows at a time. ``view``: a Store-P view of
+    the table (its name, or a `View`) to serve keys from; misses fall back to Store-I. Memory: ``depth + 2`` buffers of ``batch_tokens`` x
+    ``H`` x ``row_bytes``. ``workers`` threads each take whole batches (keygen and gather);
+    errors are raised here, at the batch they hit.
+    """
+    from engramdb import keygen
+
+    if batch_tokens < 1 or depth < 1 or workers < 1:
+        raise InvalidArgument(
+            f"batch_tokens, depth and workers must be >= 1: {batch_tokens}, {depth}, {workers}"
+        )
+    store = _resolve_store(source, table)
+    h = keygen.preset(preset) if isinstance(preset, str) else preset
+    if layer is None:
+        if len(h.layers) != 1:
+            raise InvalidArgument(f"the hasher has layers {list(h.layers)}: pass layer=")
+        layer = int(h.layers[0])
+    need = h.table_rows(layer)
+    if store.n_rows < need:
+        raise InvalidArgument(
+            f"table {store.name!r} has {store.n_rows:,} rows; layer {layer} addresses {need:,}"
+        )
+    n_heads = int(h.row_ids(np.zeros(1, np.int64), layer=layer).shape[-1])
+    rb = store.row_bytes
+    hist = h.max_ngram - 1
+    slot_bytes = (batch_tokens + hist) * n_heads * rb
+    ring = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(depth + 2)]
+    serial = workers > 1  # the workers are the parallelism: don't split a gather further
+    if isinstance(view, str):
+        view = store.view(view, hasher=h)
+    if view is not None and getattr(view, "record_bytes", n_heads * rb) != n_heads * rb:
+        raise InvalidArgument(f"view records are {view.record_bytes} B, not {n_heads} x {rb} B")
+
+    def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
+        buf = ring[i % len(ring)]
+        shape = tokens.shape + (n_heads, rb)
+        e = buf[: int(np.prod(shape))].reshape(shape)
+        if view is not None:
+            view.lookup(h.keys(tokens), e.reshape(tokens.shape + (n_heads * rb,)))
+        else:
+            rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
+            store._gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
+        if skip:
+            return tokens[skip:], e[skip:]
+        return tokens, e
+
+    work = (w for arr in _sequences(corpus, bin_dtype) for w in _windows(arr, batch_tokens, hist))
+    return _consume(work, produce, depth, workers, copy)
+
+
+def _consume(
+    work: Iterator[tuple[Any, int]], produce: Any, depth: int, workers: int, copy: bool
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    pool = _Workers(work, produce, depth, workers)
+    try:
+        while True:
+            item = pool.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            tokens, e = item
+            yield (tokens, e.copy()) if copy else (tokens, e)
+    finally:
+        pool.close()
+
+
+def _resolve_store(source: Any, table: str | None) -> Store:
+    if isinstance(source, Store):
+        if table is not None and table != source.name:
+            raise InvalidArgument(f"table={table!r} but the store is {source.name!r}")
+        return source
+    tables = getattr(source, "tables", None)
+    if tables is None:
+        raise InvalidArgument(f"source must be a Database or a Store, got {type(source).__name__}")
+    if table is None:
+        if len(tables) != 1:
+            raise InvalidArgument(f"the database has tables {tables}: pass table=")
+        table = tables[0]
+    return source[table]

@@ -1,0 +1,155 @@
+"""Corpus streaming yields exactly keygen + fetch for every position, in corpus order."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb import keygen
+from engramdb.errors import InvalidArgument, TokenIdOutOfRange
+from engramdb.stream import stream
+
+EOS = 248_044
+VOCAB = 248_320
+
+
+@pytest.fixture
+def db_and_table(tmp_path: Path) -> tuple[Path, keygen.Hasher, np.ndarray]:
+    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+    rows = h.table_rows(2)
+    full = np.random.default_rng(7).integers(0, 256, (rows, 160), dtype=np.uint8)
+    engramdb.build(tmp_path / "db", "ple", 160, [full], rows_per_badge=128)
+    return tmp_path / "db", h, full
+
+
+def corpus(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    t = rng.integers(0, VOCAB, shape)
+    t[rng.random(shape) < 0.02] = EOS
+    return t
+
+
+def collect(it: object) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    toks, es = [], []
+    for t, e in it:  # type: ignore[attr-defined]
+        toks.append(np.array(t))
+        es.append(np.array(e))
+    return toks, es
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 7, 1000, 5000])
+def test_one_long_sequence_in_chunks(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray],
+    rng: np.random.Generator,
+    batch_tokens: int,
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (3000 if batch_tokens > 1 else 200,))
+    with engramdb.open(path) as db:
+        toks, es = collect(db.stream(seq, preset=h, batch_tokens=batch_tokens))
+        assert all(t.shape[0] <= batch_tokens for t in toks)
+        assert np.array_equal(np.concatenate(toks), seq)
+        assert np.array_equal(np.concatenate(es), db["ple"].fetch(h.row_ids(seq, layer=2)))
+
+
+def test_sequences_in_blocks_files_and_iterables(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray],
+    rng: np.random.Generator,
+    tmp_path: Path,
+) -> None:
+    path, h, full = db_and_table
+    block = corpus(rng, (50, 64))  # 50 fresh sequences
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        toks, es = collect(stream(s, block, preset=h, batch_tokens=640))
+        assert [t.shape for t in toks] == [(10, 64)] * 5
+        assert np.array_equal(np.concatenate(es), full[h.row_ids(block, layer=2)])
+        docs = [corpus(rng, (n,)) for n in (5, 1, 900, 33)]
+        toks, es = collect(stream(s, iter(docs), preset=h, batch_tokens=256))
+        got = np.concatenate(es)
+        want = np.concatenate([full[h.row_ids(d, layer=2)] for d in docs])
+        assert np.array_equal(got, want)
+        cdir = tmp_path / "corpus"
+        cdir.mkdir()
+        np.save(cdir / "a.npy", docs[2])
+        np.save(cdir / "b.npy", block[:3])
+        toks, es = collect(db.stream(cdir, preset=h, batch_tokens=300))
+        assert [t.shape for t in toks] == [(300,), (300,), (300,), (3, 64)]
+        want = np.concatenate(
+            [
+                full[h.row_ids(docs[2], layer=2)],
+                full[h.row_ids(block[:3], layer=2)].reshape(-1, 16, 160),
+            ]
+        )
+        assert np.array_equal(np.concatenate([e.reshape(-1, 16, 160) for e in es]), want)
+
+
+def test_buffers_are_reused_unless_copied(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (4000,))
+    with engramdb.open(path) as db:
+        held = [e for _, e in db.stream(seq, preset=h, batch_tokens=100, depth=2)]
+        bases = {e.base.ctypes.data if e.base is not None else 0 for e in held}
+        assert len(bases) <= 4, "a ring of depth + 2 buffers"
+        owned = [e for _, e in db.stream(seq, preset=h, batch_tokens=100, copy=True)]
+        assert np.array_equal(np.concatenate(owned), full[h.row_ids(seq, layer=2)])
+
+
+def test_errors_reach_the_consumer_and_threads_stop(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    path, h, _ = db_and_table
+    seq = corpus(rng, (5000,))
+    seq[3500] = VOCAB + 10
+    before = threading.active_count()
+    with engramdb.open(path) as db:
+        it = db.stream(seq, preset=h, batch_tokens=500)
+        n = 0
+        with pytest.raises(TokenIdOutOfRange):
+            for t, _ in it:
+                n += t.size
+        assert n == 3500, "every batch before the bad one arrived"
+        for i, _ in enumerate(db.stream(seq[:3000], preset=h, batch_tokens=10)):
+            if i == 3:
+                break  # abandoning the generator stops the producer
+    import gc
+
+    gc.collect()
+    assert threading.active_count() <= before + 1  # a gather pool thread may stay
+
+
+def test_bad_arguments_are_refused_at_the_call(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray],
+) -> None:
+    path, h, _ = db_and_table
+    engramdb.build(path, "other", 160, [np.zeros((10, 160), np.uint8)])
+    with engramdb.open(path) as db:
+        with pytest.raises(InvalidArgument, match="addresses"):
+            db.stream(np.arange(10), preset="qwen3.8-flash-next", table="ple")
+        with pytest.raises(InvalidArgument, match="table="):
+            db.stream(np.arange(10), preset=h)
+        with pytest.raises(InvalidArgument, match="batch_tokens"):
+            db.stream(np.arange(10), preset=h, table="ple", batch_tokens=0)
+
+
+def test_a_store_p_view_serves_the_same_rows(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    view_mod = pytest.importorskip("engramdb.view")
+    path, h, full = db_and_table
+    seq = corpus(rng, (3000,))
+    view_mod.build_view(path, table="ple", name="v", keys=h.keys(seq[:2000]), hasher=h)
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        with view_mod.open_view(path, s, "v", hasher=h) as v:
+            toks, es = collect(stream(s, seq, preset=h, batch_tokens=700, view=v))
+            assert np.array_equal(np.concatenate(es), full[h.row_ids(seq, layer=2)])
+            st = v.stats()
+            assert st["hits"] > 0 and st["misses"] > 0, st  # view hits, Store-I misses
+        by_name = collect(db.stream(seq, preset=h, table="ple", batch_tokens=700, view="v"))[1]
+        assert np.array_equal(np.concatenate(by_name), full[h.row_ids(seq, layer=2)])
