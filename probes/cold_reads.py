@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import vm_hwm_mb, write_json  # noqa: E402
+from common import proc_read_bytes, vm_hwm_mb, write_json  # noqa: E402
 
 from engramdb.io import (  # noqa: E402
     AutoBackend,
@@ -88,14 +88,6 @@ def expected_rows(offsets: np.ndarray, row_bytes: int) -> np.ndarray:
 
 
 # --- accounting ------------------------------------------------------------------------------
-def proc_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
 def block_device(path: Path) -> str | None:
     """The /sys/block name of the disk holding ``path`` (partition -> its disk)."""
     st = os.stat(path)

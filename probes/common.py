@@ -22,6 +22,15 @@ def vm_hwm_mb(pid: str = "self") -> float:
     return float("nan")
 
 
+def proc_read_bytes() -> int:
+    """Bytes this process has read from the block layer (``/proc/self/io`` read_bytes)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
 def rate(fn: Callable[[], int], seconds: float) -> float:
     """Calls ``fn`` (returning the units it did) for about ``seconds``; units per second."""
     done = 0

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, vm_hwm_mb, write_json  # noqa: E402
+from common import median, proc_read_bytes, vm_hwm_mb, write_json  # noqa: E402
 from workload_tables import (  # noqa: E402
     LAYER,
     build_table,
@@ -49,14 +49,6 @@ from engramdb.io.residency import drop_mapped_pages  # noqa: E402
 
 def pct(xs: np.ndarray, q: float) -> float:
     return float(np.percentile(xs, q)) * 1e6
-
-
-def proc_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
 
 
 def main() -> None:
