@@ -1011,9 +1011,7 @@ class View:
         os.posix_fadvise(self._fd_random, 0, 0, os.POSIX_FADV_RANDOM)
         self._hashes = self._keys = self._slot_of = self._rows = None
         if entry.index is not None:
-            ifd = _open_checked(db, entry.index, what)
-            self._fds.append(ifd)
-            ih = KeyIndexHeader.unpack(_read_page(ifd, f"{what} ({entry.index.path})"), what)
+            ih, iflat = self._map_sidecar(db, entry.index, what, KeyIndexHeader)
             if (
                 ih.n_keys != hdr.n_slots
                 or ih.key_width != hdr.key_width
@@ -1022,28 +1020,32 @@ class View:
                 raise CorruptFile(
                     f"{what}: key index {entry.index.path!r} belongs to another build"
                 )
-            imap = ShardMapping([ifd], [entry.index.bytes])
-            self._maps.append(imap)
-            iflat = imap.array(1, entry.index.bytes).reshape(-1)
             h_off, k_off, s_off = key_index_sections(ih.n_keys, ih.key_width)
             n, w = ih.n_keys, ih.key_width
             self._hashes = iflat[h_off:k_off].view("<u8")
             self._keys = iflat[k_off:s_off].view("<i8").reshape(n, w)
             self._slot_of = iflat[s_off : s_off + 4 * n].view("<u4")
         if entry.rows is not None:
-            rfd = _open_checked(db, entry.rows, what)
-            self._fds.append(rfd)
-            rh = RowsHeader.unpack(_read_page(rfd, f"{what} ({entry.rows.path})"), what)
+            rh, rflat = self._map_sidecar(db, entry.rows, what, RowsHeader)
             if (
                 rh.n_records != hdr.n_slots
                 or rh.rows_per_record != hdr.rows_per_record
                 or rh.build_id != hdr.build_id
             ):
                 raise CorruptFile(f"{what}: rows file {entry.rows.path!r} belongs to another build")
-            rmap = ShardMapping([rfd], [entry.rows.bytes])
-            self._maps.append(rmap)
-            rflat = rmap.array(1, entry.rows.bytes).reshape(-1)
             self._rows = rflat[HEADER_BYTES:].view("<i8").reshape(rh.n_records, rh.rows_per_record)
+
+    def _map_sidecar(
+        self, db: Path, vf: ViewFile, what: str, header_cls: Any
+    ) -> tuple[Any, np.ndarray]:
+        """Open a side file of the view (key index, rows), parse its header page and map it
+        whole; returns the header and the file's bytes as a flat uint8 array."""
+        fd = _open_checked(db, vf, what)
+        self._fds.append(fd)
+        header = header_cls.unpack(_read_page(fd, f"{what} ({vf.path})"), what)
+        mapping = ShardMapping([fd], [vf.bytes])
+        self._maps.append(mapping)
+        return header, mapping.array(1, vf.bytes).reshape(-1)
 
     def _setup_backend(self, backend: str, options: dict[str, Any]) -> None:
         self.backend = backend
