@@ -28,12 +28,14 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import numpy as np
 
 from engramdb.errors import InvalidArgument, ShapeMismatch, StoreClosed, TableNotFound
+from engramdb.serve import wire as W
 from engramdb.serve.auth import check_token
 from engramdb.serve.protocol import (
     CT_ARROW,
@@ -233,6 +235,107 @@ class _Connection:
         return rh, (bytes(out) if out is not None else None)
 
 
+class _WireConnection:
+    """One wire-protocol connection (`engramdb.serve.wire`), past its HELLO.
+
+    Waiting for a reply first polls the socket without sleeping for up to ``spin`` seconds
+    (a small read comes back in ~20-40 us), then blocks: a client in a tight loop never
+    pays the scheduler's wake-up on top of the server's work. Polling adapts: after ``k``
+    replies in a row that did not come within the window (large reads, a busy server, more
+    clients than cores) the next ``2**(k-1)`` calls (at most `SPIN_BACKOFF_MAX`) block at
+    once, so spinning stops taking CPU from the server when it does not pay off."""
+
+    __slots__ = ("sock", "head", "hview", "spin", "reused", "skip", "misses")
+
+    SPIN_BACKOFF_MAX = 64
+
+    def __init__(self, sock: socket.socket, spin: float):
+        self.sock = sock
+        self.head = bytearray(W.RESPONSE.size)
+        self.hview = memoryview(self.head)
+        self.spin = spin
+        self.reused = False
+        self.skip = 0
+        self.misses = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _recv(self, view: memoryview, spin: bool) -> None:
+        """Fill ``view`` from the socket."""
+        sock = self.sock
+        got = 0
+        size = len(view)
+        if spin and self.spin:
+            if self.skip:
+                self.skip -= 1
+            else:
+                deadline = time.perf_counter() + self.spin
+                while True:
+                    try:
+                        n = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                        self.misses = 0
+                        break
+                    except BlockingIOError:
+                        if time.perf_counter() >= deadline:
+                            self.misses += 1
+                            self.skip = min(self.SPIN_BACKOFF_MAX, 1 << (self.misses - 1))
+                            n = -1
+                            break
+                if n == 0:
+                    raise _NoResponse()
+                if n > 0:
+                    got = n
+        while got < size:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                if got == 0 and spin:
+                    raise _NoResponse()
+                raise ServiceUnavailable("the server closed the connection mid-response")
+            got += n
+
+    def call(self, head: bytes, body: Any, sink: memoryview | None) -> tuple[int, bytes | None]:
+        """Send one frame (``head`` + ``body``); read the reply. A 200 reply of exactly
+        ``len(sink)`` bytes goes straight into ``sink``; anything else is returned."""
+        sock = self.sock
+        try:
+            if body is None or len(body) == 0:
+                sock.sendall(head)
+            else:
+                parts: list[Any] = [head, body]
+                while parts:
+                    sent = sock.sendmsg(parts)
+                    while parts and sent >= len(parts[0]):
+                        sent -= len(parts[0])
+                        parts.pop(0)
+                    if parts and sent:
+                        parts[0] = memoryview(parts[0])[sent:]
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _NoResponse() from e
+        try:
+            self._recv(self.hview, True)
+        except ConnectionResetError as e:
+            raise _NoResponse() from e
+        magic, status, _flags, _res, length = W.RESPONSE.unpack_from(self.head)
+        if magic != W.RESPONSE_MAGIC:
+            if magic.startswith(b"HTTP"):
+                raise ProtocolError(
+                    "the server answered the wire protocol with HTTP: it runs without the "
+                    "wire protocol; connect with wire=False"
+                )
+            raise ProtocolError(f"not a wire-protocol reply (magic {bytes(magic)!r})")
+        if status == 200 and sink is not None:
+            if length != len(sink):
+                raise ProtocolError(f"reply has {length} bytes, the request expects {len(sink)}")
+            self._recv(sink, False)
+            return status, None
+        data = bytearray(length)
+        if length:
+            self._recv(memoryview(data), False)
+        return status, bytes(data)
+
+
 class Client:
     """A connection to ``engramdb serve``: the remote twin of `engramdb.Database`.
 
@@ -248,9 +351,13 @@ class Client:
         *,
         timeout: float = 30.0,
         pool_size: int = 4,
+        wire: bool | None = None,
+        spin_us: float = 100.0,
     ):
         if timeout <= 0:
             raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}")
+        if not (0 <= spin_us < 1e6):
+            raise InvalidArgument(f"spin_us must be in [0, 1e6), got {spin_us!r}")
         self.url = url
         self._endpoint = _Endpoint(url)
         self.timeout = float(timeout)
@@ -258,8 +365,15 @@ class Client:
         if isinstance(token, str):
             token = token.encode()
         self._auth = b""
+        self._token = b""
         if token is not None:
-            self._auth = b"Authorization: Bearer %s\r\n" % check_token(token)
+            self._token = check_token(token)
+            self._auth = b"Authorization: Bearer %s\r\n" % self._token
+        #: rows travel over the wire protocol (Unix sockets by default), the rest over HTTP
+        self.wire = self._endpoint.unix is not None if wire is None else bool(wire)
+        self._spin = float(spin_us) / 1e6
+        self._wire_pool: list[_WireConnection] = []
+        self._wire_tables: dict[str, int] = {}
         self._pool: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -337,6 +451,80 @@ class Client:
             return rh, data
         raise AssertionError("unreachable")  # pragma: no cover
 
+    # -- the wire protocol ------------------------------------------------------------------------
+    def _wire_open(self) -> _WireConnection:
+        conn = _WireConnection(self._endpoint.connect(self.timeout), self._spin)
+        try:
+            token = self._token
+            status, data = conn.call(
+                W.pack_request(W.OP_HELLO, 0, (), len(token)), token or None, None
+            )
+            if status != 200:
+                raise_for_error(status, data or b"", where=self.url)
+            doc = W.parse_hello(data or b"")
+        except _NoResponse:
+            conn.close()
+            raise ServiceUnavailable(f"{self.url} closed the connection at HELLO") from None
+        except BaseException:
+            conn.close()
+            raise
+        self._wire_tables = {str(n): i for i, n in enumerate(doc["tables"])}
+        return conn
+
+    def wire_call(
+        self, op: int, table: str, dims: tuple[int, ...], ids: Any, sink: memoryview
+    ) -> None:
+        """One FETCH / LOOKUP frame for ``table`` with int64 ``ids`` of shape ``dims``; the
+        rows land in ``sink``. Raises the typed error of a refusal."""
+        if self._closed:
+            raise StoreClosed(f"client for {self.url} is closed")
+        body = ids.data.cast("B")
+        for attempt in (0, 1):
+            with self._lock:
+                conn = self._wire_pool.pop() if self._wire_pool else None
+            if conn is None:
+                conn = self._wire_open()
+            index = self._wire_tables.get(table)
+            if index is None:
+                self._wire_release(conn)
+                raise TableNotFound(f"no table {table!r} at {self.url} (tables: {self.tables})")
+            head = W.pack_request(op, index, dims, len(body))
+            try:
+                status, data = conn.call(head, body, sink)
+            except _NoResponse:
+                conn.close()
+                if conn.reused and attempt == 0:
+                    continue
+                raise ServiceUnavailable(
+                    f"{self.url} closed the connection without answering"
+                ) from None
+            except (BlockingIOError, TimeoutError):
+                conn.close()
+                raise ServiceUnavailable(
+                    f"no response from {self.url} within {self.timeout:g} s"
+                ) from None
+            except OSError as e:
+                conn.close()
+                if isinstance(e, ServiceError):
+                    raise
+                raise ServiceUnavailable(f"{self.url}: {e.strerror or e}") from None
+            except BaseException:
+                conn.close()
+                raise
+            self._wire_release(conn)
+            if status != 200:
+                raise_for_error(status, data or b"", where=self.url)
+            return
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wire_release(self, conn: _WireConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._wire_pool) < self.pool_size:
+                conn.reused = True
+                self._wire_pool.append(conn)
+                return
+        conn.close()
+
     def _get_json(self, path: str) -> Any:
         _, data = self.request(self._prefix("GET", path) + b"\r\n")
         return json.loads(data or b"null")
@@ -397,8 +585,11 @@ class Client:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, []
+            wire_pool, self._wire_pool = self._wire_pool, []
         for conn in pool:
             conn.close()
+        for wconn in wire_pool:
+            wconn.close()
 
     @property
     def closed(self) -> bool:
@@ -471,9 +662,21 @@ class RemoteStore:
         )
 
     # -- reads --------------------------------------------------------------------------------------
-    def _post_ids(self, head: bytes, ids: np.ndarray, dest: memoryview, shape: bytes = b"") -> None:
+    def _post_ids(
+        self, lookup: bool, ids: np.ndarray, dest: memoryview, shape: tuple[int, ...] | None
+    ) -> None:
+        """One request for flat int64 ``ids``; ``shape`` travels when not None (so a
+        server-side error names the same position a local Store would)."""
+        if self._client.wire:
+            op = W.OP_LOOKUP if lookup else W.OP_FETCH
+            dims = (ids.size,) if shape is None else shape
+            self._client.wire_call(op, self.name, dims, ids, dest)
+            self._counters["requests"] += 1
+            return
         body = ids.data.cast("B")
-        req = head + shape + b"Content-Length: %d\r\n\r\n" % len(body)
+        head = self._lookup_head if lookup else self._fetch_head
+        extra = b"" if shape is None else _shape_header(shape)
+        req = head + extra + b"Content-Length: %d\r\n\r\n" % len(body)
         self._client.request(req, body, dest)
         self._counters["requests"] += 1
 
@@ -483,8 +686,7 @@ class RemoteStore:
         if n <= self.chunk_rows:
             # the shape travels only when it is not 1-D, so a server-side error names the
             # same position a local Store would
-            extra = b"" if len(shape) == 1 else _shape_header(shape)
-            self._post_ids(self._fetch_head, flat, dest, extra)
+            self._post_ids(False, flat, dest, None if len(shape) == 1 else shape)
             return
         # several requests: validate the whole batch first, so an error leaves dest as it was
         check_bounds(flat, self.n_rows, shape=shape)
@@ -492,7 +694,7 @@ class RemoteStore:
         step = self.chunk_rows
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            self._post_ids(self._fetch_head, flat[lo:hi], dest[lo * rb : hi * rb])
+            self._post_ids(False, flat[lo:hi], dest[lo * rb : hi * rb], None)
 
     def fetch(self, rowids: Any) -> np.ndarray:
         """Rows for global ``rowids`` (any integer array or list), shape
@@ -527,9 +729,7 @@ class RemoteStore:
             return
         dest = out.data.cast("B")
         if row_ids.size <= self.chunk_rows:
-            self._post_ids(
-                self._lookup_head, _wire_ids(row_ids), dest, _shape_header(row_ids.shape)
-            )
+            self._post_ids(True, _wire_ids(row_ids), dest, row_ids.shape)
         else:
             check_head_bounds(row_ids, self.heads)
             g = (row_ids.reshape(-1, self.n_heads) + self.head_offsets).reshape(-1)
@@ -655,6 +855,8 @@ def connect(
     token_file: str | os.PathLike[str] | None = None,
     timeout: float = 30.0,
     pool_size: int = 4,
+    wire: bool | None = None,
+    spin_us: float = 100.0,
 ) -> Client:
     """Connect to ``engramdb serve`` at ``url`` (``http://HOST:PORT`` or
     ``unix:///path/to.sock``) and read its table list (one round trip).
@@ -662,6 +864,10 @@ def connect(
     ``token`` (or ``token_file``) is sent as ``Authorization: Bearer``. ``timeout`` bounds
     connecting and each wait for data, in seconds. Raises `ServiceUnavailable` if the server
     cannot be reached, `AuthenticationFailed` for a missing or wrong token.
+
+    ``wire``: read rows over the binary wire protocol instead of HTTP (default: on for a
+    Unix socket, off for TCP; table listings and views always use HTTP). ``spin_us``: how
+    long a wire request polls for its reply before sleeping (0 = sleep at once).
     """
     if token_file is not None:
         if token is not None:
@@ -669,4 +875,4 @@ def connect(
         from engramdb.serve.auth import load_token
 
         token = load_token(token_file)
-    return Client(url, token, timeout=timeout, pool_size=pool_size)
+    return Client(url, token, timeout=timeout, pool_size=pool_size, wire=wire, spin_us=spin_us)

@@ -9,9 +9,11 @@ caches; deleted at the end), warms it (read once, then `--populate` in the serve
 * correctness first: remote rows == in-process rows over UDS and TCP, and the server's
   ``engramdb_rows_total`` counter grows by exactly the rows this probe asked for (the remote
   path really ran);
-* latency p50 / p99 of a 16-row and a 4,096-row `fetch_into`: in-process, UDS, TCP, arms
-  interleaved per repetition (in-process first and last: the noise floor), plus a minimal
-  uvicorn ASGI server serving the same table when uvicorn is installed (the stack choice);
+* latency p50 / p99 of a 16-row and a 4,096-row `fetch_into`: in-process, UDS (the client's
+  default there: the binary wire protocol), UDS over HTTP, TCP (HTTP, the default there) and
+  TCP with the wire protocol, arms interleaved per repetition (in-process first and last:
+  the noise floor), plus a minimal uvicorn ASGI server serving the same table when uvicorn
+  is installed (the stack choice);
 * throughput: 1 client process, then 16 client processes for ``--soak`` seconds (decode-like
   16-row fetches, every 8th a 4,096-row one), 0 errors required, server RSS sampled;
 * ratios last. JSON goes to probes/out/serve.json.
@@ -313,8 +315,16 @@ def main() -> None:
         print(f"server pid {server.pid}: {uds}  {tcp}")
         local_db = engramdb.open(db_path, populate=True)
         local = local_db["t"]
-        uds_client, tcp_client = connect(uds), connect(tcp)
-        arms: dict[str, Any] = {"inproc": local, "uds": uds_client["t"], "tcp": tcp_client["t"]}
+        clients = {
+            "uds": connect(uds),
+            "uds_http": connect(uds, wire=False),
+            "tcp": connect(tcp),
+            "tcp_wire": connect(tcp, wire=True),
+        }
+        uds_client = clients["uds"]
+        if not uds_client.wire or clients["tcp"].wire:
+            raise SystemExit("client defaults changed: UDS must use the wire protocol")
+        arms: dict[str, Any] = {"inproc": local, **{k: c["t"] for k, c in clients.items()}}
         asgi = spawn_asgi(db_path, root / "asgi.sock")
         if asgi is not None:
             asgi_client = connect(f"unix://{root / 'asgi.sock'}")
@@ -330,20 +340,32 @@ def main() -> None:
         for _ in range(20):
             ids = rng.integers(0, a.rows, int(rng.integers(1, 5000)))
             ref = local.fetch(ids)
-            for name in ("uds", "tcp"):
+            for name in clients:
                 if not np.array_equal(arms[name].fetch(ids), ref):
                     raise SystemExit(f"MISMATCH on {name}")
                 asked += ids.size
         if "uvicorn_uds" in arms and not np.array_equal(arms["uvicorn_uds"].fetch(ids), ref):
             raise SystemExit("MISMATCH on uvicorn arm")
         served = rows_total(uds_client) - before
+        hellos = re.search(
+            r'engramdb_requests_total\{endpoint="hello",table="",code="200"\} (\d+)',
+            uds_client.metrics(),
+        )
+        n_hello = int(hellos.group(1)) if hellos else 0
         print(
-            f"correctness: remote == in-process for 20 random batches; server counted "
-            f"{served:,} rows for {asked:,} asked"
+            f"correctness: remote == in-process for 20 random batches on {len(clients)} "
+            f"remote arms; server counted {served:,} rows for {asked:,} asked, "
+            f"{n_hello} wire-protocol connection(s)"
         )
         if served != asked:
             raise SystemExit("the server's row counter disagrees: the remote path did not run")
-        doc["proof"] = {"rows_asked": asked, "server_rows_counted": served}
+        if n_hello < 2:
+            raise SystemExit("the wire-protocol arms did not open wire connections")
+        doc["proof"] = {
+            "rows_asked": asked,
+            "server_rows_counted": served,
+            "wire_connections": n_hello,
+        }
 
         # latency, interleaved: baseline (in-process) first and last
         order = list(arms)
@@ -375,8 +397,8 @@ def main() -> None:
                 }
         doc["latency"] = lat_doc
         doc["baseline_first_last_p50_us"] = base_first_last
-        uds_client.close()
-        tcp_client.close()
+        for c in clients.values():
+            c.close()
 
         # throughput: one client process, 4,096-row fetches only
         print(f"throughput: 1 client process, 4,096-row fetches, {a.single:g} s ...")
@@ -410,6 +432,8 @@ def main() -> None:
         ratios = {
             "uds16_over_inproc16": L["uds_16"]["p50_us"] / L["inproc_16"]["p50_us"],
             "tcp16_over_uds16": L["tcp_16"]["p50_us"] / L["uds_16"]["p50_us"],
+            "uds_http16_over_uds16": L["uds_http_16"]["p50_us"] / L["uds_16"]["p50_us"],
+            "tcp16_over_tcp_wire16": L["tcp_16"]["p50_us"] / L["tcp_wire_16"]["p50_us"],
             "uds4096_over_inproc4096": L["uds_4096"]["p50_us"] / L["inproc_4096"]["p50_us"],
         }
         if "uvicorn_uds_16" in L:

@@ -20,6 +20,7 @@ import engramdb
 from engramdb.cli.serve_cmd import serve
 from engramdb.client import connect
 from engramdb.serve import ServiceUnavailable
+from engramdb.serve import wire as W
 
 SERVE = "from engramdb.cli.serve_cmd import serve; serve()"
 
@@ -101,6 +102,65 @@ def test_sigterm_lets_in_flight_requests_finish(
         assert data == rows[ids].tobytes()
         assert proc.wait(timeout=15) == 0
         assert "stopped after 2 request(s)" in proc.stdout.read()  # type: ignore[union-attr]
+        idle.close()
+        busy.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "closed before the whole reply"
+        data += chunk
+    return data
+
+
+def _wire_reply(sock: socket.socket) -> tuple[int, bytes]:
+    _magic, status, _f, _r, length = W.RESPONSE.unpack(_exact(sock, W.RESPONSE.size))
+    return status, _exact(sock, length)
+
+
+def _wire_peer(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    sock.sendall(W.pack_request(W.OP_HELLO, 0, (), 0))
+    assert _wire_reply(sock)[0] == 200
+    return sock
+
+
+def test_sigterm_lets_in_flight_wire_requests_finish(
+    db: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    db_path, rows = db
+    sock_path = tmp_path / "s.sock"
+    proc = spawn(db_path, "--unix", str(sock_path))
+    try:
+        idle = _wire_peer(sock_path)
+        busy = _wire_peer(sock_path)
+        ids = np.arange(0, 20000, 7, dtype="<i8")
+        frame = W.pack_request(W.OP_FETCH, 0, ids.shape, ids.nbytes) + ids.tobytes()
+        busy.sendall(frame[: len(frame) // 2])  # a request in flight: half of it is in
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert idle.recv(1) == b"", "idle wire connections are closed at once"
+        deadline = time.monotonic() + 10
+        while sock_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not sock_path.exists(), "no new connections once stopping"
+        time.sleep(0.3)
+        assert proc.poll() is None, "the server must wait for the in-flight request"
+        busy.sendall(frame[len(frame) // 2 :])
+        status, data = _wire_reply(busy)
+        assert status == 200 and data == rows[ids].tobytes()
+        assert busy.recv(1) == b"", "closed after its last reply"
+        assert proc.wait(timeout=15) == 0
         idle.close()
         busy.close()
     finally:

@@ -11,6 +11,7 @@ from engramdb.errors import InvalidArgument
 from engramdb.serve.auth import load_token, token_file_is_private
 from engramdb.serve.protocol import DEFAULT_PORT
 from engramdb.serve.server import Limits, Server
+from engramdb.serve.wire import DEFAULT_SPIN_US
 from engramdb.units import parse_size
 
 _D = Limits()
@@ -86,6 +87,20 @@ _D = Limits()
     show_default=True,
     help="Seconds in-flight requests get to finish after SIGTERM.",
 )
+@click.option(
+    "--wire/--no-wire",
+    default=True,
+    show_default=True,
+    help="Also speak the binary wire protocol (row reads without HTTP) on every listener.",
+)
+@click.option(
+    "--spin-us",
+    type=float,
+    default=DEFAULT_SPIN_US,
+    show_default=True,
+    help="Microseconds the wire-protocol thread keeps polling after each burst of work "
+    "(0: sleep at once; trades idle CPU for latency).",
+)
 @library_errors
 def serve(
     db: str,
@@ -104,8 +119,11 @@ def serve(
     max_connections: int,
     idle_timeout: float,
     grace: float,
+    wire: bool,
+    spin_us: float,
 ) -> None:
-    """Serve every table of DB over HTTP (binary, JSON and Arrow fetches; docs/serve.md).
+    """Serve every table of DB over HTTP (binary, JSON and Arrow fetches) and the binary
+    wire protocol (docs/serve.md).
 
     Opens DB read-only. Stops on SIGTERM / Ctrl-C after in-flight requests finish.
     """
@@ -138,6 +156,8 @@ def serve(
         insecure=insecure,
         limits=limits,
         backend=backend,
+        wire=wire,
+        spin_us=spin_us,
         ram_budget=None if ram_budget is None else parse_size(ram_budget),
         grace=grace,
         populate=populate,

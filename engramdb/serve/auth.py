@@ -79,6 +79,13 @@ class TokenCheck:
         got = (header or "").encode("latin-1", "replace")
         return hmac.compare_digest(got, self._expected)
 
+    def allows_token(self, token: bytes) -> bool:
+        """Whether a raw token (the wire protocol's HELLO payload) is the server's, compared
+        in constant time like `allows`."""
+        if self._expected is None:
+            return True
+        return hmac.compare_digest(b"Bearer " + token, self._expected)
+
 
 def resolve_bind(host: str, port: int) -> list[tuple[int, tuple[object, ...]]]:
     """``(family, sockaddr)`` for every address ``host`` names (deduplicated, in resolver

@@ -1,14 +1,15 @@
 """Request counters and a latency histogram, rendered in the Prometheus text format.
 
-One `Metrics.observe` call per request (dict increments and a bisect: about 1 us), all on
-the server's event-loop thread, so no locks. Rendering happens only when ``/metrics`` is
-scraped.
+One `Metrics.observe` call per request (dict increments and a bisect under one lock: about
+1 us), from the event-loop thread and the wire-protocol lane. Rendering happens only when
+``/metrics`` is scraped.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -72,9 +73,11 @@ class _Histogram:
 
 
 class Metrics:
-    """Counters of one server. Not thread-safe: call from the event-loop thread only."""
+    """Counters of one server. Thread-safe: the event loop and the wire-protocol lane both
+    count into it (one uncontended lock per request, ~0.1 us)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.started = time.time()
         self.requests: dict[tuple[str, str, int], int] = {}
         self.rows: dict[tuple[str, str], int] = {}
@@ -97,6 +100,20 @@ class Metrics:
         error: str | None = None,
     ) -> None:
         """Count one finished request (``seconds`` from parsed request to response queued)."""
+        with self.lock:
+            self._observe(endpoint, table, status, rows, bytes_in, bytes_out, seconds, error)
+
+    def _observe(
+        self,
+        endpoint: str,
+        table: str,
+        status: int,
+        rows: int,
+        bytes_in: int,
+        bytes_out: int,
+        seconds: float,
+        error: str | None,
+    ) -> None:
         key = (endpoint, table, status)
         self.requests[key] = self.requests.get(key, 0) + 1
         et = (endpoint, table)
@@ -115,7 +132,8 @@ class Metrics:
     def count_error(self, endpoint: str, error: str) -> None:
         """Count an error that ended a connection before a request could be routed."""
         ek = (endpoint, error)
-        self.errors[ek] = self.errors.get(ek, 0) + 1
+        with self.lock:
+            self.errors[ek] = self.errors.get(ek, 0) + 1
 
     # -- rendering -----------------------------------------------------------------------------
     def render(
@@ -133,6 +151,16 @@ class Metrics:
         up here as soon as the store reports them. ``view_stats`` (``View.stats()``) become
         ``engramdb_view_<field>{table=...,view=...}`` (hits, misses, records, ...).
         """
+        with self.lock:
+            return self._render(connections_open, in_flight, store_stats, view_stats)
+
+    def _render(
+        self,
+        connections_open: int,
+        in_flight: int,
+        store_stats: Iterable[dict[str, Any]],
+        view_stats: Iterable[dict[str, Any]],
+    ) -> str:
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:

@@ -54,6 +54,7 @@ from engramdb.errors import (
 from engramdb.serve import protocol as P
 from engramdb.serve.auth import TokenCheck, check_bind, resolve_bind
 from engramdb.serve.metrics import Metrics
+from engramdb.serve.wire import DEFAULT_SPIN_US, REQUEST_MAGIC, WireLane
 from engramdb.store import Store
 from engramdb.validate import as_rowids
 
@@ -218,6 +219,9 @@ class Server:
     ``unix_mode``, owner-only by default). A TCP bind that reaches beyond loopback needs
     ``token`` or ``insecure=True`` (`InvalidArgument` otherwise). ``grace``: seconds that
     in-flight requests get to finish after a stop request. ``populate``: see `open_database`.
+    ``wire``: also speak the binary wire protocol (`engramdb.serve.wire`) on every listener;
+    ``spin_us``: how long its thread keeps polling without sleeping after each burst of work
+    (0 = never spin).
     """
 
     def __init__(
@@ -235,11 +239,15 @@ class Server:
         unix_mode: int = 0o600,
         grace: float = 10.0,
         populate: bool = False,
+        wire: bool = True,
+        spin_us: float = DEFAULT_SPIN_US,
     ):
         if port is None and unix is None:
             raise InvalidArgument("nothing to listen on: give a TCP port, a Unix socket, or both")
         if port is not None and not (0 <= int(port) <= 65535):
             raise InvalidArgument(f"port must be in [0, 65535], got {port}")
+        if not (0 <= float(spin_us) < 1e6):
+            raise InvalidArgument(f"spin_us must be in [0, 1e6) microseconds, got {spin_us!r}")
         if isinstance(token, str):
             token = token.encode()
         self.host = host
@@ -257,6 +265,10 @@ class Server:
             self.db = open_database(db, backend=backend, ram_budget=ram_budget, populate=populate)
             self._owns_db = True
         self.metrics = Metrics()
+        self.wire = bool(wire)
+        self.spin_us = float(spin_us)
+        self._lane: WireLane | None = None
+        self._stores_lock = threading.Lock()
         self._stores: dict[str, Store] = {}
         self._info_json: dict[str, bytes] = {}
         self._views: dict[tuple[str, str], Any] = {}
@@ -399,6 +411,9 @@ class Server:
         self._loop = loop
         self._stop_requested = asyncio.Event()
         self._drained = asyncio.Event()
+        if self.wire:
+            self._lane = WireLane(self, spin_us=self.spin_us)
+            self._lane.start()
         for kind, s in self._listeners:
             s.setblocking(False)
             loop.add_reader(s.fileno(), self._on_accept, s, kind)
@@ -437,6 +452,10 @@ class Server:
                 os.unlink(self.unix)
         for conn in list(self._conns):
             conn.drain()
+        lane_done = None
+        if self._lane is not None:
+            # the lane finishes its own in-flight reads on its thread, in parallel
+            lane_done = self._loop.run_in_executor(None, self._lane.stop, self.grace)
         if self._conns:
             try:
                 await asyncio.wait_for(self._drained.wait(), timeout=self.grace)
@@ -444,6 +463,14 @@ class Server:
                 log.warning("grace period over: closing %d connection(s)", len(self._conns))
         for conn in list(self._conns):
             conn.close()
+        if lane_done is not None:
+            await lane_done
+
+    @property
+    def n_connections(self) -> int:
+        """Open client connections (HTTP and wire protocol)."""
+        lane = self._lane
+        return len(self._conns) + (lane.n_connections if lane is not None else 0)
 
     def _tick(self) -> None:
         """Once a second: refresh the Date header; close connections idle too long."""
@@ -473,9 +500,9 @@ class Server:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_BYTES)
             self.metrics.connections_total += 1
-            if len(self._conns) >= self.limits.max_connections:
+            if self.n_connections >= self.limits.max_connections:
                 err = P.ServiceUnavailable(
-                    f"the server has {len(self._conns)} connections, its limit "
+                    f"the server has {self.n_connections} connections, its limit "
                     f"(max_connections={self.limits.max_connections}); retry later"
                 )
                 status, body = P.error_payload(err)
@@ -579,9 +606,10 @@ class Server:
             return self._json_reply(req, P.json_dumps(doc), "tables")
         elif path in ("/metrics", "/v1/metrics"):
             _method(head, "GET")
+            lane = self._lane
             text = self.metrics.render(
-                connections_open=len(self._conns),
-                in_flight=self._in_flight,
+                connections_open=self.n_connections,
+                in_flight=self._in_flight + (lane.in_flight if lane is not None else 0),
                 store_stats=[s.stats() for s in self._stores.values()],
                 view_stats=[v.stats() for v in self._views.values() if hasattr(v, "stats")],
             ).encode()
@@ -607,8 +635,11 @@ class Server:
     def _store(self, name: str) -> Store:
         store = self._stores.get(name)
         if store is None:
-            store = self.db[name]  # TableNotFound names the table and lists the others
-            self._stores[name] = store
+            with self._stores_lock:  # the wire lane opens tables from its own thread
+                store = self._stores.get(name)
+                if store is None:
+                    store = self.db[name]  # TableNotFound names the table, lists the others
+                    self._stores[name] = store
         return store
 
     def _table_json(self, store: Store) -> bytes:
@@ -930,6 +961,7 @@ class _Connection:
         "last_active",
         "scratch",
         "continued",
+        "fresh",
     )
 
     def __init__(self, server: Server, sock: socket.socket):
@@ -954,6 +986,7 @@ class _Connection:
         self.last_active = time.monotonic()
         self.scratch: np.ndarray | None = None
         self.continued = False
+        self.fresh = True  # the first bytes may still pick the wire protocol
         self._read_on()
 
     # -- event registration ----------------------------------------------------------------------
@@ -995,7 +1028,34 @@ class _Connection:
             if start == n:
                 return
         self.rbuf += self.recv_view[start:n]
+        if self.fresh:
+            head = bytes(self.rbuf[: len(REQUEST_MAGIC)])
+            if REQUEST_MAGIC.startswith(head) and len(head) < len(REQUEST_MAGIC):
+                return  # too few bytes to tell the protocols apart yet
+            self.fresh = False
+            if head == REQUEST_MAGIC:
+                if self.server._lane is not None:
+                    self._hand_to_lane()
+                else:
+                    self._fatal(
+                        P.MalformedRequest(
+                            "this server does not speak the wire protocol (started without "
+                            "it); connect with wire=False"
+                        )
+                    )
+                return
         self.process()
+
+    def _hand_to_lane(self) -> None:
+        """This connection speaks the wire protocol: give its socket (and the bytes read so
+        far) to the wire lane and forget it here."""
+        lane = self.server._lane
+        assert lane is not None
+        self._read_off()
+        self.closed = True
+        initial, self.rbuf = bytes(self.rbuf), bytearray()
+        self.server._forget(self)
+        lane.adopt(self.sock, initial)
 
     def process(self) -> None:
         """Answer every complete request in the buffer, in order, until one goes off-loop
