@@ -14,6 +14,9 @@ namespace (loopback only, TCP transport), then measures at 264 B rows:
   ``host_copy`` — `open_mooncake(..., host_copy=/dev/shm/...)` (table pulled once per host),
   ``wheel`` — the Mooncake wheel's own ``mooncake.store.EngramStore`` (the peer: per-layer,
   float32 rows, ``lookup`` allocates its result) on the same store, same bytes;
+  ``near`` (big batch only) — `EngramStore` on a second client that mounts its own segment
+  and holds the layer's replica there (``ReplicateConfig.preferred_segment``), with
+  ``MC_STORE_MEMCPY=1``: the most local a ranged read through the store can be;
 * checks bytes against the local store before timing, and prints the store counters that
   prove each path served the reads.
 
@@ -77,11 +80,14 @@ def main() -> None:
 
     restore = enter_private_netns()
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    # Read when a client is created; only the `near` client holds replicas in its own
+    # segment, so this changes no other arm.
+    os.environ["MC_STORE_MEMCPY"] = "1"
     work = Path(tempfile.mkdtemp(prefix="edb-mc-"))
     shm = Path(tempfile.mkdtemp(prefix="edb-mc-", dir="/dev/shm"))
     cluster = Cluster(segment=args.segment, lease_ms=10_000)
     report: dict[str, object] = {"probe": "mooncake", "row_bytes": ROW, "transport": "tcp"}
-    client = None
+    client = near_client = None
     try:
         cluster.start()
         client = cluster.connect()
@@ -119,6 +125,28 @@ def main() -> None:
             return es
 
         wheel_big, wheel_dec = peer(3, big), peer(4, dec)
+
+        # `near`: the layer's only replica lives in the reading client's own segment.
+        near_client = mc.connect(
+            cluster.master_addr,
+            cluster.metadata_url,
+            local_hostname="127.0.0.1",
+            segment_bytes=nbytes + (256 << 20),
+        )
+        near_host = near_client.get_hostname()
+        near = EngramStore({5: EngramStoreConfig(big_sizes, ROW)}, store=near_client)
+        near_cfg = mstore.ReplicateConfig()
+        near_cfg.with_hard_pin = True
+        near_cfg.preferred_segment = near_host
+        near.populate(5, big, near_cfg)
+        near_replicas = sorted(
+            {
+                d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for h in range(BIG[2])
+                for d in near_client.get_replica_desc(f"engram:l5:h{h}")
+            }
+        )
+        assert near_replicas == [near_host], (near_replicas, near_host)
         t0 = time.perf_counter()
         summary = mc.publish(work / "db", client=client, name="probe", tables=["engram_l1"])
         publish_gbs = summary.gb_per_s
@@ -151,7 +179,7 @@ def main() -> None:
         big_ids = ids_for(BIG, big_sizes, 4)
         dec_ids = ids_for(DECODE, dec_sizes, 256)
         arms = ("local", "ranged", "host_copy", "wheel")
-        out_big = {a: np.empty(BIG + (ROW,), np.uint8) for a in arms}
+        out_big = {a: np.empty(BIG + (ROW,), np.uint8) for a in (*arms, "near")}
         out_dec = {a: np.empty(DECODE + (ROW,), np.uint8) for a in arms}
 
         wheel_failures = [0]
@@ -171,6 +199,8 @@ def main() -> None:
 
         for buf in (out_big["ranged"], out_dec["ranged"]):
             assert client.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        nb = out_big["near"]
+        assert near_client.register_buffer(nb.ctypes.data, nb.nbytes) == 0
         lookups = {
             "local": lambda lay, ids, out: local.lookup_into(lay, ids, out),
             "ranged": lambda lay, ids, out: ranged.lookup_into(lay, ids, out),
@@ -178,14 +208,20 @@ def main() -> None:
                 ids, out
             ),
             "wheel": wheel,
+            "near": lambda lay, ids, out: near.lookup_into(5, ids, out),
         }
         for lay, ids, outs in ((1, big_ids[0], out_big), (2, dec_ids[0], out_dec)):
-            for fn, out in zip(lookups.values(), outs.values()):
-                fn(lay, ids, out)
+            for name, out in outs.items():
+                lookups[name](lay, ids, out)
             assert np.array_equal(outs["ranged"], outs["local"])
             assert np.array_equal(outs["host_copy"], outs["local"])
             assert np.array_equal(outs["wheel"], outs["local"])
-        print("correctness: ranged store == host copy == wheel EngramStore == local, both layers")
+            if "near" in outs:
+                assert np.array_equal(outs["near"], outs["local"])
+        print(
+            "correctness: ranged store == near replica == host copy == wheel EngramStore == "
+            "local, both layers"
+        )
 
         # ---- [64, 256, 8] rows/s ----------------------------------------------------------
         rows = int(np.prod(BIG))
@@ -228,6 +264,16 @@ def main() -> None:
         for r in range(args.ranged_reps):
             res["wheel"].append(big_arm("wheel")())
             print(f"    rep {r}: wheel={res['wheel'][-1] / 1e6:.4f}M")
+        print(
+            f"  near (replica in the reader's own segment {near_host}, MC_STORE_MEMCPY=1; "
+            f"{args.ranged_reps} single calls):"
+        )
+        res["near"] = []
+        near_calls0 = near._mooncake.counters.calls  # type: ignore[union-attr]
+        for r in range(args.ranged_reps):
+            res["near"].append(big_arm("near")())
+            print(f"    rep {r}: near={res['near'][-1] / 1e6:.4f}M")
+        assert near._mooncake.counters.calls - near_calls0 == args.ranged_reps  # type: ignore[union-attr]
         report["lookup_64x256x8_rows_per_s"] = res
 
         # ---- [1, 1, 24] latency -----------------------------------------------------------
@@ -262,6 +308,9 @@ def main() -> None:
         # ---- proof, memory, ratios ---------------------------------------------------------
         proof = {
             "ranged_store_counters": ranged._mooncake.counters.as_dict(),
+            "near_store_counters": near._mooncake.counters.as_dict(),  # type: ignore[union-attr]
+            "near_replica_endpoints": near_replicas,
+            "near_client": near_host,
             "host_copy_mode": [hc_big.mode, hc_dec.mode],
             "host_copy_get_into_ranges_calls": hc_big.counters.calls + hc_dec.counters.calls,
             "local_store_fetch_calls": local._open_store(local._layer(1)).stats()["fetch_calls"],
@@ -279,6 +328,8 @@ def main() -> None:
         p50 = {n: median(v["p50"]) for n, v in lat.items()}
         ratios = {
             "ranged_vs_local_rows_per_s": m["ranged"] / m["local"],
+            "near_vs_local_rows_per_s": m["near"] / m["local"],
+            "near_vs_ranged_rows_per_s": m["near"] / m["ranged"],
             "host_copy_vs_local_rows_per_s": m["host_copy"] / m["local"],
             "ranged_vs_wheel_rows_per_s": m["ranged"] / m["wheel"],
             "ranged_vs_local_p50": p50["ranged"] / p50["local"],
@@ -290,8 +341,8 @@ def main() -> None:
         print(f"json: {write_json('mooncake', report)}")
         print(
             f"RATE  [64,256,8] local {m['local'] / 1e6:.2f}M  host_copy "
-            f"{m['host_copy'] / 1e6:.2f}M  ranged {m['ranged'] / 1e6:.4f}M  wheel "
-            f"{m['wheel'] / 1e6:.4f}M rows/s"
+            f"{m['host_copy'] / 1e6:.2f}M  ranged {m['ranged'] / 1e6:.4f}M  near "
+            f"{m['near'] / 1e6:.4f}M  wheel {m['wheel'] / 1e6:.4f}M rows/s"
         )
         print(
             f"P50   [1,1,24]   local {p50['local']:.1f}  host_copy {p50['host_copy']:.1f}  "
@@ -307,9 +358,16 @@ def main() -> None:
             f"p50 ranged / local: {ratios['ranged_vs_local_p50']:.1f}x; "
             f"host_copy / local: {ratios['host_copy_vs_local_p50']:.2f}x"
         )
+        print(
+            f"RATIO near (own-segment replica) / local rows/s: "
+            f"{ratios['near_vs_local_rows_per_s']:.4f}x; near / ranged: "
+            f"{ratios['near_vs_ranged_rows_per_s']:.2f}x"
+        )
         db.close()
         db2.close()
     finally:
+        if near_client is not None:
+            near_client.close()
         if client is not None:
             client.close()
         cluster.stop()

@@ -12,8 +12,11 @@ Three pieces, all on a ``mooncake.store.MooncakeDistributedStore`` client (the o
   as a database whose tables have ``fetch`` / ``fetch_into`` / ``lookup_into``.
 
 Cost model (measured on this project's 2-core test machine, TCP transport over loopback;
-see docs/distributed.md): the store client spends ~40 us per byte range in
-``get_into_ranges`` whatever the range size, so a ranged lookup runs at ~20-30 k rows/s
+see docs/distributed.md): the store client spends ~30-40 us of its own CPU per byte range in
+``get_into_ranges`` whatever the range size, so a ranged lookup runs at ~20-35 k rows/s.
+That holds wherever the replica lives, even in the reading client's own segment with
+``MC_STORE_MEMCPY=1`` (the wheel's local-memcpy path serves whole-object reads only; ranged
+reads always take the transfer engine, one request per range), and no TCP knob lowers it
 (what an RDMA transport changes is not measured here). A table whose rows must be served faster
 than that from a host that can hold it uses ``host_copy``: the host pulls each object once
 (bulk reads) into one tmpfs file that every rank on the host maps, and lookups become a
