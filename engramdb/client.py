@@ -29,6 +29,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -396,32 +397,23 @@ class Client:
             self._auth,
         )
 
-    def _acquire(self) -> _Connection:
-        if self._closed:
-            raise StoreClosed(f"client for {self.url} is closed")
-        with self._lock:
-            if self._pool:
-                return self._pool.pop()
-        return _Connection(self._endpoint.connect(self.timeout))
-
-    def _release(self, conn: _Connection) -> None:
-        with self._lock:
-            if not self._closed and len(self._pool) < self.pool_size:
-                conn.reused = True
-                self._pool.append(conn)
-                return
-        conn.close()
-
-    def request(
-        self, head: bytes, body: Any = None, sink: memoryview | None = None
-    ) -> tuple[ResponseHead, bytes | None]:
-        """One round trip; raises the typed error of a non-200 response. Retries once on a
-        fresh connection when a pooled one turns out to be closed (requests are reads, so
-        a repeat is harmless)."""
+    def _exchange(
+        self, pool: list[Any], open_conn: Callable[[], Any], send: Callable[[Any], Any]
+    ) -> tuple[Any, Any]:
+        """``send(conn)`` on a connection from ``pool`` (or a new one from ``open_conn``);
+        returns ``(conn, result)`` and leaves giving the connection back to the caller.
+        Retries once on a fresh connection when a pooled one turns out to be closed
+        (requests are reads, so a repeat is harmless); transport failures become
+        `ServiceUnavailable`."""
         for attempt in (0, 1):
-            conn = self._acquire()
+            if self._closed:
+                raise StoreClosed(f"client for {self.url} is closed")
+            with self._lock:
+                conn = pool.pop() if pool else None
+            if conn is None:
+                conn = open_conn()
             try:
-                rh, data = conn.roundtrip(head, body, sink)
+                return conn, send(conn)
             except _NoResponse:
                 conn.close()
                 if conn.reused and attempt == 0:
@@ -442,14 +434,32 @@ class Client:
             except BaseException:
                 conn.close()
                 raise
-            if rh.keep_alive:
-                self._release(conn)
-            else:
-                conn.close()
-            if rh.status != 200:
-                raise_for_error(rh.status, data or b"", where=self.url)
-            return rh, data
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _give_back(self, pool: list[Any], conn: Any) -> None:
+        with self._lock:
+            if not self._closed and len(pool) < self.pool_size:
+                conn.reused = True
+                pool.append(conn)
+                return
+        conn.close()
+
+    def request(
+        self, head: bytes, body: Any = None, sink: memoryview | None = None
+    ) -> tuple[ResponseHead, bytes | None]:
+        """One HTTP round trip; raises the typed error of a non-200 response."""
+        conn, (rh, data) = self._exchange(
+            self._pool,
+            lambda: _Connection(self._endpoint.connect(self.timeout)),
+            lambda c: c.roundtrip(head, body, sink),
+        )
+        if rh.keep_alive:
+            self._give_back(self._pool, conn)
+        else:
+            conn.close()
+        if rh.status != 200:
+            raise_for_error(rh.status, data or b"", where=self.url)
+        return rh, data
 
     # -- the wire protocol ------------------------------------------------------------------------
     def _wire_open(self) -> _WireConnection:
@@ -476,54 +486,18 @@ class Client:
     ) -> None:
         """One FETCH / LOOKUP frame for ``table`` with int64 ``ids`` of shape ``dims``; the
         rows land in ``sink``. Raises the typed error of a refusal."""
-        if self._closed:
-            raise StoreClosed(f"client for {self.url} is closed")
         body = ids.data.cast("B")
-        for attempt in (0, 1):
-            with self._lock:
-                conn = self._wire_pool.pop() if self._wire_pool else None
-            if conn is None:
-                conn = self._wire_open()
+
+        def send(conn: _WireConnection) -> tuple[int, bytes | None]:
             index = self._wire_tables.get(table)
             if index is None:
-                self._wire_release(conn)
                 raise TableNotFound(f"no table {table!r} at {self.url} (tables: {self.tables})")
-            head = W.pack_request(op, index, dims, len(body))
-            try:
-                status, data = conn.call(head, body, sink)
-            except _NoResponse:
-                conn.close()
-                if conn.reused and attempt == 0:
-                    continue
-                raise ServiceUnavailable(
-                    f"{self.url} closed the connection without answering"
-                ) from None
-            except (BlockingIOError, TimeoutError):
-                conn.close()
-                raise ServiceUnavailable(
-                    f"no response from {self.url} within {self.timeout:g} s"
-                ) from None
-            except OSError as e:
-                conn.close()
-                if isinstance(e, ServiceError):
-                    raise
-                raise ServiceUnavailable(f"{self.url}: {e.strerror or e}") from None
-            except BaseException:
-                conn.close()
-                raise
-            self._wire_release(conn)
-            if status != 200:
-                raise_for_error(status, data or b"", where=self.url)
-            return
-        raise AssertionError("unreachable")  # pragma: no cover
+            return conn.call(W.pack_request(op, index, dims, len(body)), body, sink)
 
-    def _wire_release(self, conn: _WireConnection) -> None:
-        with self._lock:
-            if not self._closed and len(self._wire_pool) < self.pool_size:
-                conn.reused = True
-                self._wire_pool.append(conn)
-                return
-        conn.close()
+        conn, (status, data) = self._exchange(self._wire_pool, self._wire_open, send)
+        self._give_back(self._wire_pool, conn)
+        if status != 200:
+            raise_for_error(status, data or b"", where=self.url)
 
     def _get_json(self, path: str) -> Any:
         _, data = self.request(self._prefix("GET", path) + b"\r\n")
