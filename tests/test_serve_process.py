@@ -48,6 +48,15 @@ def spawn(db: Path, *args: str) -> subprocess.Popen[str]:
     return proc
 
 
+def reap(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it still runs, wait for it, close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
+
+
 def recv_response(sock: socket.socket) -> tuple[bytes, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -105,11 +114,7 @@ def test_sigterm_lets_in_flight_requests_finish(
         idle.close()
         busy.close()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
+        reap(proc)
 
 
 def _exact(sock: socket.socket, n: int) -> bytes:
@@ -164,11 +169,7 @@ def test_sigterm_lets_in_flight_wire_requests_finish(
         idle.close()
         busy.close()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
+        reap(proc)
 
 
 def test_sigkill_mid_request_leaves_nothing_to_repair(
@@ -220,11 +221,7 @@ def test_sigkill_mid_request_leaves_nothing_to_repair(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
+        reap(proc)
 
 
 def test_cli_refuses_unsafe_or_unsupported_settings(
