@@ -21,6 +21,7 @@ from click.testing import CliRunner
 import engramdb
 from engramdb import EngramStore, EngramStoreConfig
 from engramdb.errors import (
+    InvalidArgument,
     InvalidDtype,
     LayerExists,
     LayerNotReady,
@@ -426,3 +427,102 @@ def test_failed_populate_leaves_nothing_behind(cluster: Cluster) -> None:
             client.close()
     finally:
         small.stop()
+
+
+# --- Store-P views in the store ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def view_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A table with a row view of 300 distinct row tuples (one row per head, a corpus's
+    first-access order) and a view that cannot serve lookups (2 rows per record)."""
+    from engramdb.view import build_view
+
+    path = tmp_path_factory.mktemp("views") / "vdb"
+    rng = np.random.default_rng(21)
+    heads = [300, 7, 451]
+    arrays = [rng.integers(0, 256, (n, RB), dtype=np.uint8) for n in heads]
+    engramdb.build(path, "engram_l1", RB, arrays)
+    offsets = np.array([0, 300, 307])
+    local = np.stack([rng.integers(0, n, 400) for n in heads], axis=-1)
+    local = np.unique(local, axis=0)[:300]
+    local = local[rng.permutation(local.shape[0])]  # an access order, not sorted
+    build_view(path, table="engram_l1", name="corpus", rows=local + offsets)
+    build_view(path, table="engram_l1", name="pairs", rows=(local + offsets)[:, :2])
+    return path, local
+
+
+def test_views_publish_and_serve_lookups_in_runs(
+    client: Any, view_db: tuple[Path, np.ndarray]
+) -> None:
+    path, tuples = view_db
+    summary = mc.publish(path, client=client, name="pv", object_bytes=64 * 3 * RB)
+    assert summary.views == ("engram_l1/corpus",)
+    assert summary.skipped_views and "pairs" in summary.skipped_views[0]
+    try:
+        with (
+            engramdb.open(path) as local,
+            mc.open_mooncake(client=client, name="pv", view="corpus") as db,
+        ):
+            t = db["engram_l1"]
+            assert t.mode == "ranged+view:corpus" and sorted(t.views) == ["corpus"]
+            assert t.views["corpus"].records == 300 and len(t.views["corpus"].objects) == 5
+
+            def check(ids: np.ndarray) -> None:
+                ids = np.ascontiguousarray(ids, dtype=np.int64)
+                out, want = output_for(ids), output_for(ids)
+                local["engram_l1"].lookup_into(ids, want)
+                with db.register(out):
+                    t.lookup_into(ids, out)
+                np.testing.assert_array_equal(out, want)
+
+            # a replay of the corpus in its access order: whole records in a few runs
+            calls0 = t.stats()["get_into_ranges_calls"]
+            check(tuples[:256].reshape(4, 64, 3))
+            s = t.stats()
+            assert s["get_into_ranges_calls"] == calls0 + 1  # one call per batch
+            assert s["view_hits"] == 256 and s["view_misses"] == 0
+            assert s["view_runs"] <= 5  # split only where an object ends
+            # repeats and out-of-order records, and positions the view does not hold
+            rng = np.random.default_rng(4)
+            mixed = tuples[rng.integers(0, 300, 60)].copy()
+            mixed[::3] = rand_ids(rng, 1, 20, [300, 7, 451]).reshape(20, 3)
+            check(mixed.reshape(3, 20, 3))
+            s2 = t.stats()
+            assert s2["view_misses"] >= 1 and s2["view_hits"] > s["view_hits"]
+            check(rand_ids(rng, 2, 9, [300, 7, 451]))  # (almost) no hits: rows only
+            # validation still comes first and leaves the output untouched
+            bad = tuples[:4].reshape(1, 4, 3).copy()
+            bad[0, 2, 2] = 451
+            o = output_for(bad)
+            with db.register(o), pytest.raises(RowIdOutOfRange):
+                t.lookup_into(bad, o)
+            assert (o == 0xAB).all()
+            t.use_view(None)
+            assert t.mode == "ranged"
+            check(tuples[:10].reshape(1, 10, 3))
+            with pytest.raises(TableNotFound, match="pairs"):
+                t.use_view("pairs")
+    finally:
+        index_key = "engramdb:pv:engram_l1:view:corpus:index"
+        assert client.is_exist(index_key) == 1
+        mc.unpublish("pv", client=client)
+        assert client.is_exist(index_key) == 0
+
+
+def test_views_that_cannot_serve_are_refused_by_name(
+    client: Any, view_db: tuple[Path, np.ndarray]
+) -> None:
+    path, _ = view_db
+    with pytest.raises(InvalidArgument, match="2 rows"):
+        mc.publish(path, client=client, name="pv2", views=["pairs"])
+    with pytest.raises(TableNotFound, match="no view 'nope'"):
+        mc.publish(path, client=client, name="pv2", views=["nope"])
+    assert client.is_exist(mc.manifest_key("pv2")) == 0  # nothing left behind
+    s = mc.publish(path, client=client, name="pv2", views=False)
+    try:
+        assert s.views == () and s.skipped_views == ()
+        with mc.open_mooncake(client=client, name="pv2") as db:
+            assert db["engram_l1"].views == {}
+        with pytest.raises(TableNotFound, match="view 'corpus'"):
+            mc.open_mooncake(client=client, name="pv2", view="corpus")
+    finally:
+        mc.unpublish("pv2", client=client)

@@ -41,6 +41,14 @@ from engramdb.units import parse_size
     help="Address this client is reached at. Default: $MC_TCP_BIND_ADDRESS or the host's address.",
 )
 @click.option("--protocol", default="tcp", show_default=True, help="Transfer protocol (tcp, rdma).")
+@click.option(
+    "--view",
+    "views",
+    multiple=True,
+    help="Store-P view to publish with its table (repeatable; it must hold one row per head). "
+    "Default: every such view.",
+)
+@click.option("--no-views", is_flag=True, help="Publish the tables only, no views.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @library_errors
 def publish(
@@ -52,14 +60,20 @@ def publish(
     object_size: str,
     local_hostname: str | None,
     protocol: str,
+    views: tuple[str, ...],
+    no_views: bool,
     quiet: bool,
 ) -> None:
     """Publish tables of database DB into a Mooncake store so every host can read them.
 
     Streams each table head by head as store objects, then writes a manifest object
     (engramdb:NAME:manifest) that `engramdb.integrations.mooncake.open_mooncake` reads to
-    discover the layout. Create-only: publishing a NAME twice is an error.
+    discover the layout. Create-only: publishing a NAME twice is an error. Store-P
+    views go along (records plus a row index) so readers can serve lookups in runs
+    (open_mooncake(..., view=NAME)).
     """
+    if views and no_views:
+        raise click.UsageError("--view and --no-views exclude each other")
     with Database(db) as database:
         chosen = list(tables) or database.tables
         total = sum(
@@ -78,6 +92,7 @@ def publish(
                 tables=chosen,
                 object_bytes=parse_size(object_size),
                 progress=bar.update,
+                views=False if no_views else (list(views) or True),
                 local_hostname=local_hostname,
                 protocol=protocol,
             )

@@ -52,6 +52,12 @@ from engramdb.errors import (
     TableExists,
     TableNotFound,
 )
+from engramdb.integrations.mooncake_view import (
+    DEFAULT_MERGE_GAP_BYTES,
+    ViewReader,
+    parse_views,
+    publish_view,
+)
 from engramdb.io.gather import take_rows
 from engramdb.validate import (
     as_rowids,
@@ -228,6 +234,10 @@ class RangePlan:
     src: list[list[int]]
     sizes: list[list[int]]
     n_ranges: int
+    #: payload bytes of all ranges
+    nbytes: int = 0
+    #: every range has the same size (rows), so a result check needs no per-range loop
+    uniform: bool = True
 
 
 class ObjectLayout:
@@ -290,10 +300,13 @@ class ObjectLayout:
             for k, key in enumerate(ks):
                 yield key, h, k * rpo, min(rpo, n - k * rpo)
 
-    def _plan(self, head: np.ndarray, local: np.ndarray) -> RangePlan:
-        """Ranges for output rows ``i`` = (``head[i]``, ``local[i]``), written at
-        ``i * row_bytes``. Grouping by object is one stable sort (radix for < 65,536
-        objects) and a bincount; Python only loops over the objects touched."""
+    def _plan(
+        self, head: np.ndarray, local: np.ndarray, out_rows: np.ndarray | None = None
+    ) -> RangePlan:
+        """Ranges for rows ``i`` = (``head[i]``, ``local[i]``), written at
+        ``out_rows[i] * row_bytes`` (default ``i * row_bytes``). Grouping by object is one
+        stable sort (radix for < 65,536 objects) and a bincount; Python only loops over the
+        objects touched."""
         rb, rpo = self.row_bytes, self.rows_per_object
         part = local // rpo
         obj = self.object_base[head] + part
@@ -304,7 +317,7 @@ class ObjectLayout:
         counts = np.bincount(obj, minlength=n_obj)
         used = np.flatnonzero(counts)
         bounds = np.concatenate([[0], np.cumsum(counts[used])]).tolist()
-        dst_all = (order * rb).tolist()
+        dst_all = ((order if out_rows is None else out_rows[order]) * rb).tolist()
         src_all = src[order].tolist()
         cuts = list(zip(bounds[:-1], bounds[1:]))
         return RangePlan(
@@ -313,6 +326,7 @@ class ObjectLayout:
             src=[src_all[a:b] for a, b in cuts],
             sizes=[[rb] * (b - a) for a, b in cuts],
             n_ranges=int(local.size),
+            nbytes=int(local.size) * rb,
         )
 
     def plan_local(self, row_ids: np.ndarray) -> RangePlan:
@@ -321,6 +335,16 @@ class ObjectLayout:
         flat = row_ids.reshape(-1)
         head = np.tile(np.arange(h, dtype=np.int64), flat.size // h)
         return self._plan(head, flat)
+
+    def plan_positions(self, row_ids: np.ndarray, positions: np.ndarray) -> RangePlan:
+        """Plan for the rows of ``positions`` (indices into ``row_ids.reshape(-1, H)``) of
+        validated local ids ``[..., H]``: every head's row of each position, written where
+        a full-batch plan would write it."""
+        h = len(self.heads)
+        local = row_ids.reshape(-1, h)[positions].reshape(-1)
+        head = np.tile(np.arange(h, dtype=np.int64), positions.size)
+        rows = (positions[:, None] * h + np.arange(h, dtype=np.int64)).reshape(-1)
+        return self._plan(head, local, rows)
 
     def plan_global(self, rowids: np.ndarray) -> RangePlan:
         """Plan for validated global ids (any shape; output in C order)."""
@@ -347,42 +371,78 @@ def read_ranges(client: Any, plan: RangePlan, out: np.ndarray, counters: Counter
 
     On any failure the output is zero-filled before the error is raised, so it is never
     left half-written (rows of an earlier step are never mistaken for this one's)."""
-    if plan.n_ranges == 0:
+    read_many(client, [(plan, out)], counters)
+
+
+def read_many(client: Any, parts: list[tuple[RangePlan, np.ndarray]], counters: Counters) -> None:
+    """One ``get_into_ranges`` call for several destination buffers (each registered by the
+    caller): ``parts`` pairs a plan with its buffer. On any failure every buffer is
+    zero-filled before the error is raised."""
+    parts = [(p, b) for p, b in parts if p.n_ranges]
+    if not parts:
         return
-    ptr = out.ctypes.data
+    ptrs = [b.ctypes.data for _, b in parts]
+
+    def wipe() -> None:
+        for _, b in parts:
+            b.fill(0)
+
     try:
-        results = client.get_into_ranges([ptr], [plan.keys], [plan.dst], [plan.src], [plan.sizes])
+        results = client.get_into_ranges(
+            ptrs,
+            [p.keys for p, _ in parts],
+            [p.dst for p, _ in parts],
+            [p.src for p, _ in parts],
+            [p.sizes for p, _ in parts],
+        )
     except Exception as e:
-        out.fill(0)
+        wipe()
         raise MooncakeError(f"get_into_ranges failed: {type(e).__name__}: {e}") from e
     counters.calls += 1
-    counters.ranges += plan.n_ranges
-    failed = _first_failure(results, plan)
+    failed = None
+    if not isinstance(results, list) or len(results) != len(parts):
+        failed = (parts[0][0].keys[0], -1, parts[0][1])
+    else:
+        for (plan, buf), got in zip(parts, results):
+            bad = _first_failure(got, plan)
+            if bad is not None:
+                failed = (bad[0], bad[1], buf)
+                break
     if failed is None:
-        counters.bytes += plan.n_ranges * (plan.sizes[0][0] if plan.sizes else 0)
+        for plan, _ in parts:
+            counters.ranges += plan.n_ranges
+            counters.bytes += plan.nbytes
         return
-    out.fill(0)
-    key, code = failed
+    wipe()
+    key, code, buf = failed
     if code == -600:
         raise OutputNotRegistered(
             f"get_into_ranges refused the read of {key!r} ({code_name(code)}): the output "
-            f"buffer at {ptr:#x} ({out.nbytes} bytes) is most likely not registered with this "
-            "client; call client.register_buffer(out.ctypes.data, out.nbytes) before the "
-            "first non-empty lookup and keep it registered",
+            f"buffer at {buf.ctypes.data:#x} ({buf.nbytes} bytes) is most likely not "
+            "registered with this client; call client.register_buffer(out.ctypes.data, "
+            "out.nbytes) before the first non-empty lookup and keep it registered",
             code,
         )
     _raise_code(f"ranged read of {key!r} failed", code)
 
 
-def _first_failure(results: Any, plan: RangePlan) -> tuple[str, int] | None:
-    if not isinstance(results, list) or len(results) != 1 or len(results[0]) != len(plan.keys):
+def _first_failure(got_all: Any, plan: RangePlan) -> tuple[str, int] | None:
+    """The first range of one buffer that did not arrive whole, as (key, code)."""
+    if not isinstance(got_all, list) or len(got_all) != len(plan.keys):
         return (plan.keys[0], -1)
-    for key, got, sizes in zip(plan.keys, results[0], plan.sizes):
+    for key, got, sizes in zip(plan.keys, got_all, plan.sizes):
         if len(got) != len(sizes):
             return (key, -1)
-        low = min(got)  # builtin min over the list: C speed, not a Python loop per row
-        if low < sizes[0]:
-            return (key, int(low) if low < 0 else -1)
+        if plan.uniform:
+            low = min(got)  # builtin min over the list: C speed, not a Python loop per row
+            if low < sizes[0]:
+                return (key, int(low) if low < 0 else -1)
+        else:
+            g = np.asarray(got, dtype=np.int64)
+            short = np.flatnonzero(g < np.asarray(sizes, dtype=np.int64))
+            if short.size:
+                low = int(g[short[0]])
+                return (key, low if low < 0 else -1)
     return None
 
 
@@ -561,6 +621,18 @@ def _get_bytes(client: Any, key: str) -> bytes | None:
     return buf.tobytes()
 
 
+def read_object(client: Any, key: str, nbytes: int) -> np.ndarray:
+    """The whole object ``key`` (exactly ``nbytes`` long) as a new uint8 array."""
+    buf = np.empty(int(nbytes), dtype=np.uint8)
+    with registered(client, buf):
+        rc = client.get_into(key, buf.ctypes.data, buf.nbytes)
+    if rc == -704:
+        raise ObjectMissing(f"object {key!r} is not in the store", rc)
+    if rc != buf.nbytes:
+        _raise_code(f"cannot read {key!r} ({nbytes} bytes expected)", int(rc) if rc < 0 else -1)
+    return buf
+
+
 def _put_bytes(client: Any, key: str, data: bytes, config: Any) -> None:
     buf = np.frombuffer(bytearray(data), dtype=np.uint8)
     with registered(client, buf):
@@ -574,15 +646,22 @@ class PublishSummary:
     objects: int
     bytes: int
     seconds: float
+    #: published views as ``table/view``; views skipped (stale, or records that are not
+    #: one row per head) with the reason
+    views: tuple[str, ...] = ()
+    skipped_views: tuple[str, ...] = ()
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def line(self) -> str:
+        views = f" and {len(self.views)} view(s)" if self.views else ""
+        skipped = f"; skipped views: {', '.join(self.skipped_views)}" if self.skipped_views else ""
         return (
-            f"published {len(self.tables)} table(s) as {self.name!r}: {self.objects} objects, "
-            f"{self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s, {self.gb_per_s:.2f} GB/s"
+            f"published {len(self.tables)} table(s){views} as {self.name!r}: {self.objects} "
+            f"objects, {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s, "
+            f"{self.gb_per_s:.2f} GB/s{skipped}"
         )
 
 
@@ -676,6 +755,7 @@ def publish(
     progress: Callable[[int], None] | None = None,
     local_hostname: str | None = None,
     protocol: str = "tcp",
+    views: bool | Sequence[str] = True,
 ) -> PublishSummary:
     """Stream tables of the EngramDB database ``db`` (path or `Database`) into the store.
 
@@ -686,7 +766,13 @@ def publish(
     whole or not at all. Create-only: an existing manifest is `TableExists` (remove it
     with `unpublish`). A failure removes the objects this call wrote. ``progress(n)`` is
     called with payload bytes as they are written. Cost: one read of each table from
-    disk and one copy over the transport."""
+    disk and one copy over the transport.
+
+    ``views``: also publish the tables' Store-P views (``True``: every view whose records
+    hold one row of each head, in head order, skipping stale or other views; a list: those
+    names, which must qualify), as record objects plus a row index
+    (`engramdb.integrations.mooncake_view`); readers use them with
+    ``MooncakeTable.use_view``."""
     import time
 
     from engramdb.database import Database
@@ -716,9 +802,15 @@ def publish(
             "tables": {},
         }
         written: list[str] = []
+        published_views: list[str] = []
+        skipped_views: list[str] = []
         t0 = time.perf_counter()
         total = 0
         stage = np.empty(max(int(staging_bytes), int(object_bytes)), dtype=np.uint8)
+
+        def put(keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
+            written.extend(_put_batch(client, keys, ptrs, sizes, cfg))
+
         try:
             with registered(client, stage):
                 for t in chosen:
@@ -736,6 +828,25 @@ def publish(
                         entry.pop(drop, None)
                     entry["rows_per_object"] = layout.rows_per_object
                     entry["objects"] = layout.keys
+                    entry["views"] = {}
+                    for v, why in _views_to_publish(database, t, views):
+                        if why is not None:
+                            skipped_views.append(f"{t}/{v} ({why})")
+                            continue
+                        pv, nbytes = publish_view(
+                            client,
+                            database,
+                            t,
+                            v,
+                            f"engramdb:{name}:{t}:view:{v}",
+                            object_bytes,
+                            stage,
+                            put,
+                            progress,
+                        )
+                        total += nbytes
+                        entry["views"][v] = pv.to_dict()
+                        published_views.append(f"{t}/{v}")
                     doc["tables"][t] = entry
             _put_bytes(client, manifest_key(name), json.dumps(doc).encode(), cfg)
         except BaseException:
@@ -744,12 +855,56 @@ def publish(
             except EngramDBError:
                 pass
             raise
-        return PublishSummary(name, chosen, len(written), total, time.perf_counter() - t0)
+        return PublishSummary(
+            name,
+            chosen,
+            len(written),
+            total,
+            time.perf_counter() - t0,
+            tuple(published_views),
+            tuple(skipped_views),
+        )
     finally:
         if own_db:
             database.close()
         if own_client and client is not None:
             client.close()
+
+
+def _views_to_publish(
+    database: Any, table: str, views: bool | Sequence[str]
+) -> list[tuple[str, str | None]]:
+    """``(view, reason to skip or None)`` for the views of ``table`` that ``views`` asks for."""
+    from engramdb.errors import StaleView
+    from engramdb.layouts.view import parse_views as local_views
+
+    info = database.manifest.tables[table]
+    have = local_views(info)
+    if views is False:
+        return []
+    if views is True:
+        names, strict = sorted(have), False
+    else:
+        names, strict = [str(v) for v in views], True
+        for v in names:
+            if v not in have:
+                raise TableNotFound(f"table {table!r} has no view {v!r} (views: {sorted(have)})")
+    out: list[tuple[str, str | None]] = []
+    for v in names:
+        e = have[v]
+        why = None
+        if e.rows_per_record != len(info.heads):
+            why = f"records of {e.rows_per_record} rows, {len(info.heads)} heads"
+        else:
+            from engramdb.layouts.view import source_hash
+
+            if e.source_hash != source_hash(info):
+                why = "stale"
+        if why is not None and strict:
+            err = StaleView if why == "stale" else InvalidArgument
+            raise err(f"view {v!r} of {table!r} cannot be published: {why}")
+        out.append((v, why))
+    return out
 
 
 def unpublish(name: str, *, client: Any, force: bool = True) -> int:
@@ -761,7 +916,11 @@ def unpublish(name: str, *, client: Any, force: bool = True) -> int:
     doc = _parse_manifest(raw, name)
     _remove(client, [manifest_key(name)], force)
     keys = [k for t in doc["tables"].values() for ks in t["objects"] for k in ks]
-    return len(_remove(client, keys, force))
+    for t in doc["tables"].values():
+        for v in (t.get("views") or {}).values():
+            keys.extend(v.get("objects", []))
+            keys.append(v.get("index", ""))
+    return len(_remove(client, [k for k in keys if k], force))
 
 
 def _parse_manifest(raw: bytes, name: str) -> dict[str, Any]:
@@ -805,6 +964,8 @@ class MooncakeTable:
         self.counters = Counters()
         self._entry = entry
         self._local: np.ndarray | None = None
+        self.views = parse_views(entry, f"publication {db.name!r} table {name!r}")
+        self._view: ViewReader | None = None
 
     @property
     def n_heads(self) -> int:
@@ -816,7 +977,26 @@ class MooncakeTable:
 
     @property
     def mode(self) -> str:
-        return "host_copy" if self._local is not None else "ranged"
+        if self._local is not None:
+            return "host_copy"
+        return "ranged" if self._view is None else f"ranged+view:{self._view.view.name}"
+
+    def use_view(self, name: str | None, *, merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES) -> None:
+        """Serve ``lookup_into`` through the published view ``name`` (None: stop): its row
+        index is read once (one object), then every batch reads the records it needs in
+        merged runs and the unmatched positions row by row, in one ``get_into_ranges``.
+        ``merge_gap_bytes``: gaps between needed records read through rather than split."""
+        old, self._view = self._view, None
+        if old is not None:
+            old.close()
+        if name is None:
+            return
+        pv = self.views.get(name)
+        if pv is None:
+            raise TableNotFound(
+                f"table {self.name!r} has no published view {name!r} (views: {sorted(self.views)})"
+            )
+        self._view = ViewReader(self, pv, merge_gap_bytes=merge_gap_bytes)
 
     def __repr__(self) -> str:
         return (
@@ -873,15 +1053,21 @@ class MooncakeTable:
             g = (row_ids.reshape(-1, self.n_heads) + self.head_offsets).reshape(-1)
             take_rows(self._local, g, out.reshape(-1, self.row_bytes))
             return
+        if self._view is not None:
+            self._view.lookup_into(row_ids, out, self.counters)
+            return
         read_ranges(self._client(), self.layout.plan_local(row_ids), out, self.counters)
 
     def stats(self) -> dict[str, Any]:
-        return {
+        doc = {
             "table": self.name,
             "backend": "mooncake",
             "mode": self.mode,
             **self.counters.as_dict(),
         }
+        if self._view is not None:
+            doc.update({f"view_{k}": v for k, v in self._view.counters.items()})
+        return doc
 
     # -- host copy -----------------------------------------------------------------------------
     def _attach_host_copy(self, directory: Path) -> None:
@@ -1029,9 +1215,12 @@ class MooncakeDatabase:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             for t in self._tables.values():
                 t._local = None
+                if t._view is not None:
+                    t._view.close()
+                    t._view = None
+            self._closed = True
             if self._own_client:
                 self.client.close()
 
@@ -1054,20 +1243,35 @@ def open_mooncake(
     host_copy: str | os.PathLike[str] | None = None,
     local_hostname: str | None = None,
     protocol: str = "tcp",
+    view: str | None = None,
 ) -> MooncakeDatabase:
     """Open the publication ``name`` (see `publish`) from the store at ``master`` /
     ``metadata``, or through an existing ``client`` (one client per rank can serve every
     table). ``host_copy`` (a tmpfs directory such as ``/dev/shm/engramdb``): pull each
     table once per host into a file that all ranks on the host map, and serve reads
     locally. Cost: client setup (~0.1-1 s) and one manifest read; ``host_copy`` adds one
-    bulk read of every table the first time on a host."""
+    bulk read of every table the first time on a host. ``view``: every table that has a
+    published view of that name serves ``lookup_into`` through it (`MooncakeTable.use_view`).
+    """
     own = client is None
     if own:
         if not master or not metadata:
             raise InvalidArgument("open_mooncake needs master= and metadata= (or client=)")
         client = connect(master, metadata, local_hostname=local_hostname, protocol=protocol)
     try:
-        return MooncakeDatabase(client, name, own_client=own, host_copy=host_copy)
+        db = MooncakeDatabase(client, name, own_client=own, host_copy=host_copy)
+        if view is not None:
+            try:
+                tables = [t for t in db._tables.values() if view in t.views]
+                if not tables:
+                    raise TableNotFound(f"no table of {name!r} has a published view {view!r}")
+                for t in tables:
+                    t.use_view(view)
+            except BaseException:
+                db._own_client = False  # the handler below closes the client
+                db.close()
+                raise
+        return db
     except BaseException:
         if own:
             client.close()
