@@ -158,7 +158,9 @@ def main() -> None:
                 run(arm, batch)
                 if not np.array_equal(outs[arm], outs["local"]):
                     raise SystemExit(f"MISMATCH: {arm} differs from the local store")
-        print("correctness: view == ranged == local store on 3 batches (2 of the epoch, 1 held out)")
+        print(
+            "correctness: view == ranged == local store on 3 batches (2 of the epoch, 1 held out)"
+        )
 
         # replay the epoch: local and view interleaved, whole epochs
         rows_per_batch = B * T * 8

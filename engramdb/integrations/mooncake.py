@@ -9,7 +9,8 @@ Three pieces, all on a ``mooncake.store.MooncakeDistributedStore`` client (the o
   ``get_into_ranges`` per ``lookup_into``, ``remove_from_store``);
 * `publish` / `open_mooncake` — stream a whole EngramDB database into the store under a
   name, with a manifest object that lets any host discover the layout, and open it again
-  as a database whose tables have ``fetch`` / ``fetch_into`` / ``lookup_into``.
+  as a database whose tables have ``fetch`` / ``fetch_into`` / ``lookup_into``; the tables'
+  Store-P views go along and serve corpus streams (``use_view``).
 
 Cost model (measured on this project's 2-core test machine, TCP transport over loopback;
 see docs/distributed.md): the store client spends ~30-40 us of its own CPU per byte range in
@@ -17,10 +18,12 @@ see docs/distributed.md): the store client spends ~30-40 us of its own CPU per b
 That holds wherever the replica lives, even in the reading client's own segment with
 ``MC_STORE_MEMCPY=1`` (the wheel's local-memcpy path serves whole-object reads only; ranged
 reads always take the transfer engine, one request per range), and no TCP knob lowers it
-(what an RDMA transport changes is not measured here). A table whose rows must be served faster
-than that from a host that can hold it uses ``host_copy``: the host pulls each object once
-(bulk reads) into one tmpfs file that every rank on the host maps, and lookups become a
-local gather.
+(what an RDMA transport changes is not measured here). So the fast paths cut the number of
+ranges: a corpus stream reads a published Store-P view (`engramdb.integrations.mooncake_view`:
+the batch's records in a few long runs, ~2 M rows/s measured), and a table whose rows must
+be served faster than ranged reads allow from a host that can hold it uses ``host_copy``:
+the host pulls each object once (bulk reads) into one tmpfs file that every rank on the
+host maps, and lookups become a local gather.
 
 Importing this module never imports the ``mooncake`` package; connecting does, and raises
 `MissingDependency` naming the extra when it is absent.
