@@ -23,6 +23,7 @@ and the index holds the exact tuple of every record.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -238,10 +239,13 @@ class ViewReader:
         if n and int(self.record_of.max()) >= n:
             raise CorruptFile(f"view {pv.name!r}: row index points past its {n} records")
         self._stage: np.ndarray | None = None
+        # one batch at a time: the staging buffer is shared by the table's callers
+        self._lock = threading.Lock()
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "records_read": 0, "runs": 0}
 
     def close(self) -> None:
-        stage, self._stage = self._stage, None
+        with self._lock:
+            stage, self._stage = self._stage, None
         if stage is not None:
             self.table._client().unregister_buffer(stage.ctypes.data)
 
@@ -262,7 +266,12 @@ class ViewReader:
         return stage
 
     def lookup_into(self, row_ids: np.ndarray, out: np.ndarray, counters: Counters) -> None:
-        """Validated per-head local ids ``[..., H]`` into the registered ``out``."""
+        """Validated per-head local ids ``[..., H]`` into the registered ``out``. Calls from
+        several threads take turns (they share the staging buffer)."""
+        with self._lock:
+            self._lookup_into(row_ids, out, counters)
+
+    def _lookup_into(self, row_ids: np.ndarray, out: np.ndarray, counters: Counters) -> None:
         from engramdb.integrations.mooncake import RangePlan, read_many
 
         table = self.table
