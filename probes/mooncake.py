@@ -22,6 +22,8 @@ namespace (loopback only, TCP transport), then measures at 264 B rows:
 
 The ranged arm is slow on TCP (the client spends tens of microseconds per range), so its
 large batch runs ``--ranged-reps`` times with a smaller timing budget.
+The ids here are uniformly random, the case no layout can help; a corpus stream read
+through a published Store-P view is measured by probes/mooncake_view.py.
 """
 
 from __future__ import annotations
