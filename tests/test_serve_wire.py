@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_serve import HEADS, TOKEN, make_db, start, uds_path
+from test_serve import HEADS, TOKEN, Raw, make_db, start, uds_path
 
 from engramdb.client import connect
 from engramdb.errors import RowIdOutOfRange, ShapeMismatch, TableNotFound
@@ -41,21 +41,19 @@ def urls(srv: Server) -> dict[str, str]:
     return {u.split(":")[0]: u for u in srv.urls}
 
 
-class Peer:
+class Peer(Raw):
     """A raw wire-protocol peer on the server's Unix socket."""
 
     def __init__(self, srv: Server, token: bytes = b"", hello: bool = True):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(uds_path(srv))
+        super().__init__(srv)
         self.tables: list[str] = []
         if hello:
             status, body = self.call(W.OP_HELLO, 0, (), token)
             assert status == 200, body
             self.tables = json.loads(body)["tables"]
 
-    def send(self, op: int, table: int, dims: tuple[int, ...], payload: bytes) -> None:
-        self.sock.sendall(W.pack_request(op, table, dims, len(payload)) + payload)
+    def frame(self, op: int, table: int, dims: tuple[int, ...], payload: bytes) -> None:
+        self.send(W.pack_request(op, table, dims, len(payload)) + payload)
 
     def reply(self) -> tuple[int, bytes]:
         head = self._exact(W.RESPONSE.size)
@@ -64,7 +62,7 @@ class Peer:
         return status, self._exact(length)
 
     def call(self, op: int, table: int, dims: tuple[int, ...], payload: bytes) -> tuple[int, bytes]:
-        self.send(op, table, dims, payload)
+        self.frame(op, table, dims, payload)
         return self.reply()
 
     def fetch(self, table: str, ids: Any) -> tuple[int, bytes]:
@@ -79,15 +77,6 @@ class Peer:
                 raise ConnectionError("closed by the server")
             data += chunk
         return data
-
-    def closed_by_peer(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except OSError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def error_type(body: bytes) -> str:
