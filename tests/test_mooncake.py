@@ -21,6 +21,7 @@ from click.testing import CliRunner
 import engramdb
 from engramdb import EngramStore, EngramStoreConfig
 from engramdb.errors import (
+    CorruptFile,
     InvalidArgument,
     InvalidDtype,
     LayerExists,
@@ -526,3 +527,22 @@ def test_views_that_cannot_serve_are_refused_by_name(
             mc.open_mooncake(client=client, name="pv2", view="corpus")
     finally:
         mc.unpublish("pv2", client=client)
+
+
+def test_a_corrupted_view_index_is_refused(client: Any, view_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = view_db
+    mc.publish(path, client=client, name="pv3", views=["corpus"])
+    try:
+        key = "engramdb:pv3:engram_l1:view:corpus:index"
+        good = mc.read_object(client, key, client.get_size(key))
+        bad = good.copy()
+        bad[100] ^= 0xFF  # one flipped bit in a stored hash
+        assert mc._remove(client, [key], True) == [key]
+        with mc.registered(client, bad):
+            mc._put_batch(client, [key], [bad.ctypes.data], [bad.nbytes], None)
+        with mc.open_mooncake(client=client, name="pv3") as db:
+            with pytest.raises(CorruptFile, match="checksum"):
+                db["engram_l1"].use_view("corpus")
+            assert db["engram_l1"].mode == "ranged"  # still serves, without the view
+    finally:
+        mc.unpublish("pv3", client=client)
