@@ -15,7 +15,8 @@ only, TCP transport), like probes/mooncake.py, then:
 * replays the epoch's batches in order through ``lookup_into``:
   ``local`` — the local EngramDB store (page cache warm; the baseline, first and last),
   ``view`` — `open_mooncake(..., view="corpus")`: one ``get_into_ranges`` per batch, records
-  in merged runs, unmatched positions row by row,
+  in merged runs (records read earlier come from the reader's 64 MiB cache), unmatched
+  positions row by row,
   ``ranged`` — the same table through the store without the view (one range per row; a
   couple of batches only: it runs at tens of thousands of rows/s),
   ``held_out`` — the view on batches of a *different* corpus of the same distribution (only
@@ -185,13 +186,13 @@ def main() -> None:
         calls = s["get_into_ranges_calls"] - base["get_into_ranges_calls"]
         per_batch = {
             k: (s[f"view_{k}"] - base[f"view_{k}"]) / (args.reps * epoch.shape[0])
-            for k in ("hits", "misses", "runs", "records_read")
+            for k in ("hits", "misses", "cache_hits", "runs", "records_read")
         }
         print(
             f"  view path per batch: {calls / (args.reps * epoch.shape[0]):.1f} get_into_ranges "
             f"call(s), {per_batch['runs']:.0f} record runs, {per_batch['records_read']:.0f} "
-            f"records read for {per_batch['hits']:.0f} hits, {per_batch['misses']:.0f} "
-            f"positions read row by row"
+            f"records read for {per_batch['hits']:.0f} hits ({per_batch['cache_hits']:.0f} "
+            f"from the reader's cache), {per_batch['misses']:.0f} positions read row by row"
         )
 
         # the arms that the view does not help: plain ranged reads, a held-out corpus

@@ -482,6 +482,11 @@ def test_views_publish_and_serve_lookups_in_runs(
             assert s["get_into_ranges_calls"] == calls0 + 1  # one call per batch
             assert s["view_hits"] == 256 and s["view_misses"] == 0
             assert s["view_runs"] <= 5  # split only where an object ends
+            # the same records again: all from the reader's cache, no store call at all
+            check(tuples[:256].reshape(4, 64, 3))
+            s1 = t.stats()
+            assert s1["view_cache_hits"] == 256 and s1["get_into_ranges_calls"] == calls0 + 1
+            assert s1["view_records_read"] == s["view_records_read"]
             # repeats and out-of-order records, and positions the view does not hold
             rng = np.random.default_rng(4)
             mixed = tuples[rng.integers(0, 300, 60)].copy()
@@ -497,6 +502,12 @@ def test_views_publish_and_serve_lookups_in_runs(
             with db.register(o), pytest.raises(RowIdOutOfRange):
                 t.lookup_into(bad, o)
             assert (o == 0xAB).all()
+            t.use_view("corpus", cache_bytes=0)  # no cache: every batch reads its records
+            check(tuples[:10].reshape(1, 10, 3))
+            check(tuples[:10].reshape(1, 10, 3))
+            assert t.stats()["view_cache_hits"] == 0 and t.stats()["view_records_read"] >= 20
+            with pytest.raises(InvalidArgument):
+                t.use_view("corpus", cache_bytes=-1)
             t.use_view(None)
             assert t.mode == "ranged"
             check(tuples[:10].reshape(1, 10, 3))

@@ -56,6 +56,7 @@ from engramdb.errors import (
     TableNotFound,
 )
 from engramdb.integrations.mooncake_view import (
+    DEFAULT_CACHE_BYTES,
     DEFAULT_MERGE_GAP_BYTES,
     ViewReader,
     parse_views,
@@ -984,11 +985,19 @@ class MooncakeTable:
             return "host_copy"
         return "ranged" if self._view is None else f"ranged+view:{self._view.view.name}"
 
-    def use_view(self, name: str | None, *, merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES) -> None:
+    def use_view(
+        self,
+        name: str | None,
+        *,
+        merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         """Serve ``lookup_into`` through the published view ``name`` (None: stop): its row
         index is read once (one object), then every batch reads the records it needs in
         merged runs and the unmatched positions row by row, in one ``get_into_ranges``.
-        ``merge_gap_bytes``: gaps between needed records read through rather than split."""
+        ``merge_gap_bytes``: gaps between needed records read through rather than split;
+        ``cache_bytes``: a direct-mapped cache of records read earlier (repeated n-grams of
+        a stream are not read again; 0 turns it off)."""
         old, self._view = self._view, None
         if old is not None:
             old.close()
@@ -999,7 +1008,7 @@ class MooncakeTable:
             raise TableNotFound(
                 f"table {self.name!r} has no published view {name!r} (views: {sorted(self.views)})"
             )
-        self._view = ViewReader(self, pv, merge_gap_bytes=merge_gap_bytes)
+        self._view = ViewReader(self, pv, merge_gap_bytes=merge_gap_bytes, cache_bytes=cache_bytes)
 
     def __repr__(self) -> str:
         return (

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 #: Gaps between needed records up to this many bytes are read through: one range costs the
 #: reading client ~30-40 us, the TCP transport moves ~64 KiB in about that time.
 DEFAULT_MERGE_GAP_BYTES = 64 * 1024
+#: Records read earlier are kept in a direct-mapped cache of this size per table, so the
+#: n-grams a stream repeats are not read again (0 turns it off).
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,7 @@ class ViewReader:
         pv: PublishedView,
         *,
         merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
         from engramdb.integrations.mooncake import read_object
 
@@ -228,6 +232,12 @@ class ViewReader:
         self.table = table
         self.view = pv
         self.gap = int(merge_gap_bytes) // pv.record_bytes
+        if cache_bytes < 0:
+            raise InvalidArgument(f"cache_bytes must be >= 0, got {cache_bytes}")
+        lines = int(cache_bytes) // pv.record_bytes
+        # a direct-mapped cache of records read earlier: a stream's repeated n-grams
+        self._tag = np.full(lines, -1, dtype=np.int64) if lines else None
+        self._data = np.empty((lines, pv.record_bytes), dtype=np.uint8) if lines else None
         raw = read_object(table._client(), pv.index, pv.index_bytes)
         if xxhash.xxh3_64_hexdigest(raw.data) != pv.index_xxh3:
             raise CorruptFile(f"view {pv.name!r}: row index object {pv.index!r} fails its checksum")
@@ -241,7 +251,14 @@ class ViewReader:
         self._stage: np.ndarray | None = None
         # one batch at a time: the staging buffer is shared by the table's callers
         self._lock = threading.Lock()
-        self.counters = {"lookups": 0, "hits": 0, "misses": 0, "records_read": 0, "runs": 0}
+        self.counters = {
+            "lookups": 0,
+            "hits": 0,
+            "misses": 0,
+            "cache_hits": 0,
+            "records_read": 0,
+            "runs": 0,
+        }
 
     def close(self) -> None:
         with self._lock:
@@ -293,13 +310,31 @@ class ViewReader:
             read_many(table._client(), parts, counters)
             return
         need, inv = np.unique(slots[pos], return_inverse=True)
+        out2 = out.reshape(-1, rec)
+        fetch, fetch_of = need, inv  # records to read; each hit position's index into them
+        pos_f = pos
+        if self._tag is not None:
+            assert self._data is not None
+            line = need % self._tag.size
+            cached = self._tag[line] == need
+            if cached.any():
+                sel = cached[inv]
+                out2[pos[sel]] = self._data[line[inv[sel]]]
+                c["cache_hits"] += int(sel.sum())
+                rank = np.cumsum(~cached) - 1
+                fetch = need[~cached]
+                pos_f = pos[~sel]
+                fetch_of = rank[inv[~sel]]
+        if fetch.size == 0:
+            read_many(table._client(), parts, counters)
+            return
         rpo = pv.records_per_object
-        obj = need // rpo
-        brk = np.flatnonzero((np.diff(need) > self.gap + 1) | (np.diff(obj) != 0)) + 1
+        obj = fetch // rpo
+        brk = np.flatnonzero((np.diff(fetch) > self.gap + 1) | (np.diff(obj) != 0)) + 1
         starts = np.concatenate([[0], brk])
-        ends = np.concatenate([brk, [need.size]])
-        first = need[starts]
-        lens = need[ends - 1] - first + 1
+        ends = np.concatenate([brk, [fetch.size]])
+        first = fetch[starts]
+        lens = fetch[ends - 1] - first + 1
         base = np.concatenate([[0], np.cumsum(lens)[:-1]])
         run_obj = obj[starts]
         staged = int(lens.sum())
@@ -325,9 +360,15 @@ class ViewReader:
         c["records_read"] += staged
         c["runs"] += int(lens.size)
         run_of = np.repeat(np.arange(lens.size), ends - starts)
-        where = base[run_of] + (need - first[run_of])  # staging record of each needed slot
+        where = base[run_of] + (fetch - first[run_of])  # staging record of each fetched one
         records = stage[: staged * rec].reshape(staged, rec)
-        out.reshape(-1, rec)[pos] = records[where[inv]]
+        out2[pos_f] = records[where[fetch_of]]
+        if self._tag is not None:
+            assert self._data is not None
+            # direct-mapped: each record has one line; one record per line per batch
+            lines, pick = np.unique(fetch % self._tag.size, return_index=True)
+            self._tag[lines] = fetch[pick]
+            self._data[lines] = records[where[pick]]
 
     def stats(self) -> dict[str, Any]:
         return {"view": self.view.name, **self.counters}
