@@ -57,6 +57,21 @@ def reap(proc: subprocess.Popen[str]) -> None:
     proc.stderr.close()  # type: ignore[union-attr]
 
 
+def sigterm_while_busy(proc: subprocess.Popen[str], idle: socket.socket, sock_path: Path) -> None:
+    """SIGTERM a server with one idle and one in-flight connection: the idle one is closed
+    at once, the socket file goes, and the process waits for the in-flight request."""
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    idle.settimeout(10)
+    assert idle.recv(1) == b"", "idle connections are closed at once"
+    deadline = time.monotonic() + 10
+    while sock_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sock_path.exists(), "no new connections once stopping"
+    time.sleep(0.3)
+    assert proc.poll() is None, "the server must wait for the in-flight request"
+
+
 def recv_response(sock: socket.socket) -> tuple[bytes, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -95,16 +110,7 @@ def test_sigterm_lets_in_flight_requests_finish(
             % len(body)
             + body[: len(body) // 2]
         )
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
-        idle.settimeout(10)
-        assert idle.recv(1) == b"", "idle keep-alive connections are closed at once"
-        deadline = time.monotonic() + 10
-        while sock_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not sock_path.exists(), "no new connections once stopping"
-        time.sleep(0.3)
-        assert proc.poll() is None, "the server must wait for the in-flight request"
+        sigterm_while_busy(proc, idle, sock_path)
         busy.sendall(body[len(body) // 2 :])
         head, data = recv_response(busy)
         assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" in head
@@ -152,15 +158,7 @@ def test_sigterm_lets_in_flight_wire_requests_finish(
         ids = np.arange(0, 20000, 7, dtype="<i8")
         frame = W.pack_request(W.OP_FETCH, 0, ids.shape, ids.nbytes) + ids.tobytes()
         busy.sendall(frame[: len(frame) // 2])  # a request in flight: half of it is in
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
-        assert idle.recv(1) == b"", "idle wire connections are closed at once"
-        deadline = time.monotonic() + 10
-        while sock_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not sock_path.exists(), "no new connections once stopping"
-        time.sleep(0.3)
-        assert proc.poll() is None, "the server must wait for the in-flight request"
+        sigterm_while_busy(proc, idle, sock_path)
         busy.sendall(frame[len(frame) // 2 :])
         status, data = _wire_reply(busy)
         assert status == 200 and data == rows[ids].tobytes()
