@@ -370,9 +370,6 @@ class ViewReader:
             self._tag[lines] = fetch[pick]
             self._data[lines] = records[where[pick]]
 
-    def stats(self) -> dict[str, Any]:
-        return {"view": self.view.name, **self.counters}
-
 
 def parse_views(entry: dict[str, Any], where: str) -> dict[str, PublishedView]:
     """The ``views`` of a publication's table entry (absent: none)."""
