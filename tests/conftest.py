@@ -25,3 +25,18 @@ def random_rows(rng: np.random.Generator, n: int, row_bytes: int) -> np.ndarray:
 
 def pytest_report_header() -> str:
     return f"engramdb tests, {os.cpu_count()} cpus"
+
+
+@pytest.fixture
+def db_factory(tmp_path: os.PathLike[str]):  # type: ignore[no-untyped-def]
+    """``db_factory(tables=None, **options)`` builds a small database under ``tmp_path`` with
+    `engramdb.testing.dbs.make_db` and returns ``(db_path, rows_by_table)``."""
+    from engramdb.testing.dbs import make_db
+
+    count = iter(range(1_000_000))
+
+    def factory(tables=None, **options):  # type: ignore[no-untyped-def]
+        options.setdefault("name", f"db{next(count)}")
+        return make_db(tmp_path, tables, **options)
+
+    return factory
