@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
+from engramdb.build.index import DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
 from engramdb.cli._common import library_errors
-from engramdb.index import BIN_DTYPES, DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
+from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
 
 

@@ -12,13 +12,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
 from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry
 
-__all__ = ["BlockHasher", "HashedWriter", "Problem", "check_file"]
+__all__ = ["BlockHasher", "HashedWriter", "HashingFile", "Problem", "check_file"]
 
 #: Read size of `check_file` (one buffer, reused).
 CHECK_READ_BYTES = 8 * 1024 * 1024
@@ -129,6 +129,30 @@ class HashedWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class HashingFile:
+    """A write-through wrapper of a binary file: the xxh3-64 and size of exactly the bytes
+    written through it (for files whose checksum lives in their own metadata, e.g. the
+    index's ``.zst`` files; no per-block hashes)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self._hash = xxhash.xxh3_64()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self._hash.update(data)
+        n = self.fh.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def hexdigest(self) -> str:
+        """xxh3-64 of the bytes written so far (16 hex digits)."""
+        return self._hash.hexdigest()
 
 
 def check_file(

@@ -35,7 +35,6 @@ from engramdb._version import __version__
 from engramdb.disk.checksum import BlockHasher
 from engramdb.disk.files import fsync_dir
 from engramdb.disk.publish import (
-    LOCK_NAME,
     collect_garbage,
     database_lock,
     new_generation_id,
@@ -48,23 +47,13 @@ from engramdb.errors import (
     ReadError,
     SourceError,
     TableExists,
+    TableNotFound,
 )
 from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
 from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
 
-__all__ = [
-    "CHUNK_BYTES",
-    "LOCK_NAME",
-    "STAGE_BYTES",
-    "BuildSummary",
-    "build",
-    "collect_garbage",
-    "database_lock",
-    "drop_table",
-    "read_manifest_or_empty",
-    "write_manifest",
-]
+__all__ = ["CHUNK_BYTES", "STAGE_BYTES", "BuildSummary", "build", "drop_table"]
 
 #: Size of each of the two reusable read buffers: bounds build memory whatever the table size.
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -387,8 +376,6 @@ def build(
 
 def drop_table(db_path: str | os.PathLike[str], table: str) -> None:
     """Remove ``table`` from the database (atomic manifest update, then file removal)."""
-    from engramdb.errors import TableNotFound
-
     db = Path(db_path)
     with database_lock(db):
         current = read_manifest_or_empty(db)
