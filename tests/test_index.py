@@ -189,7 +189,7 @@ def test_key_counter_merges_many_runs(rng: np.random.Generator) -> None:
         counter.add(c)
         for k in c.tolist():
             expected[tuple(k)] = expected.get(tuple(k), 0) + 1
-        counter._merge()  # force the log-structured merge path every time
+        counter.merge()  # force the log-structured merge path every time
     keys, counts = counter.result()
     assert [tuple(k) for k in keys.tolist()] == list(expected)
     assert counts.tolist() == list(expected.values())

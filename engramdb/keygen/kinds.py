@@ -20,14 +20,14 @@ from engramdb.keygen._arith import (
     deepseek_primes,
     qwen_multipliers,
 )
-from engramdb.keygen._core import (
-    Hasher,
+from engramdb.keygen._core import Hasher
+from engramdb.keygen._tables import (
     LayerTables,
-    _readonly,
     as_mask,
     as_token_array,
     check_range,
     prepare_out,
+    readonly_int64,
     to_int64,
 )
 from engramdb.keygen.tokenmap import TokenMap
@@ -170,7 +170,7 @@ class DeepSeekHasher(Hasher):
             raise InvalidArgument(self._unready)
 
     def multipliers(self, layer: int | None = None) -> np.ndarray:
-        lt = self._layer(layer)
+        lt = self.layer_tables(layer)
         self._ready()
         return lt.multipliers
 
@@ -486,12 +486,12 @@ class GemmaHasher(Hasher):
         self.vocab_size = vocab_size
 
     def multipliers(self, layer: int | None = None) -> np.ndarray:
-        self._layer(layer)
-        return _readonly([])
+        self.layer_tables(layer)
+        return readonly_int64([])
 
     def primes(self, layer: int | None = None) -> np.ndarray:
-        self._layer(layer)
-        return _readonly([])
+        self.layer_tables(layer)
+        return readonly_int64([])
 
     def _rowmap(self, arr: np.ndarray, mask: Any, strict: bool) -> np.ndarray:
         if strict:
@@ -513,7 +513,7 @@ class GemmaHasher(Hasher):
         *,
         local: bool,
     ) -> np.ndarray:
-        self._layer(layer)
+        self.layer_tables(layer)
         if compressed:
             raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
         arr = as_token_array(token_ids)
@@ -535,7 +535,7 @@ class GemmaHasher(Hasher):
         strict: bool = True,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        self._layer(layer)
+        self.layer_tables(layer)
         arr = as_token_array(keys, name="keys")
         if arr.shape[-1] != 1:
             raise ShapeMismatch(f"gemma3n keys must be [..., 1], got shape {arr.shape}")
@@ -557,7 +557,7 @@ class GemmaHasher(Hasher):
             ids2 = np.where(mask2, 0, ids2)
         return ids2, None, None
 
-    def _make_step(
+    def make_step(
         self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool
     ) -> Callable[[int, bool, list[int], list[bool]], np.ndarray]:
         if compressed:
@@ -572,7 +572,7 @@ class GemmaHasher(Hasher):
 
         return step
 
-    def _stream_rows(
+    def stream_rows(
         self,
         lt: LayerTables,
         arr: np.ndarray,
@@ -607,9 +607,9 @@ def build_gemma(
         layer=0,
         max_ngram=1,
         heads_per_ngram=1,
-        multipliers=_readonly([]),
-        primes=_readonly([table_ids]),
-        offsets=_readonly([0]),
+        multipliers=readonly_int64([]),
+        primes=readonly_int64([table_ids]),
+        offsets=readonly_int64([0]),
         table_rows=table_ids,
     )
     full_info: dict[str, Any] = {

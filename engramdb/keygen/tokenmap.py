@@ -31,7 +31,7 @@ from engramdb.errors import (
     MissingDependency,
     ShapeMismatch,
 )
-from engramdb.keygen._core import check_range, to_int64
+from engramdb.keygen._tables import check_range, to_int64
 
 SENTINEL = "\ue000"  # private-use char standing in for a whitespace-only token during Strip
 FORMAT = "engramdb-token-map"
