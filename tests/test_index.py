@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from engramdb import keygen
-from engramdb.cli.index_cmd import index as index_command
+from engramdb.cli.index_cmd import index_cmd as index_command
 from engramdb.disk.publish import write_manifest
 from engramdb.errors import (
     ChecksumMismatch,

@@ -52,6 +52,7 @@ from engramdb.errors import (
 from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
 from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
+from engramdb.units import Summary
 
 __all__ = ["CHUNK_BYTES", "STAGE_BYTES", "BuildSummary", "build", "drop_table"]
 
@@ -60,17 +61,15 @@ CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
-class BuildSummary:
+class BuildSummary(Summary):
+    """What one `build` did. Sizes in bytes, time in seconds."""
+
     table: str
     rows: int
     bytes: int
     shards: int
     seconds: float
     path: str
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def line(self) -> str:
         return (
@@ -201,7 +200,7 @@ def _stream_segment(seg: Segment, bufs: tuple[memoryview, memoryview]) -> Iterat
     while the caller hashes and writes the current one, so reading overlaps writing."""
     size = len(bufs[0])
     if seg.array is not None:
-        flat = memoryview(np.ascontiguousarray(seg.array).reshape(-1).view(np.uint8))
+        flat = np.ascontiguousarray(seg.array).reshape(-1).view(np.uint8).data
         for start in range(0, seg.nbytes, size):
             yield flat[start : start + size]
         return
