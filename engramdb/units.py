@@ -1,4 +1,4 @@
-"""Human byte sizes: ``"8G"`` -> 8 GiB."""
+"""Units: human byte sizes (``"8G"`` -> 8 GiB), rates, and the shape of a run's summary."""
 
 from __future__ import annotations
 
@@ -28,3 +28,31 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def per_second(amount: float, seconds: float) -> float:
+    """``amount / seconds``; infinite for a run too short to time (``seconds <= 0``)."""
+    return amount / seconds if seconds > 0 else float("inf")
+
+
+class Summary:
+    """Base of the result records a long call returns (build, warm, index, view build).
+
+    Subclasses are frozen dataclasses with a ``bytes`` (or other amount) and a ``seconds``
+    field and write `line`: one human line with units, which the CLI prints as it is.
+    `gb_per_s` is written once here, from ``bytes`` and ``seconds``.
+    """
+
+    __slots__ = ()
+
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """Decimal gigabytes per second (``bytes / 1e9 / seconds``)."""
+        return per_second(self.bytes / 1e9, self.seconds)
+
+    def line(self) -> str:
+        """One line for a human, with units."""
+        raise NotImplementedError

@@ -67,23 +67,22 @@ def test_cli_errors_are_clean(tmp_path: Path, rng: np.random.Generator) -> None:
     assert code == 1 and "DatabaseNotFound" in out
 
 
-def test_verify_reports_corruption(tmp_path: Path, rng: np.random.Generator) -> None:
-    a = rng.integers(0, 256, (64, 8), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", 8, [a])
-    shard = tmp_path / engramdb.open(tmp_path).manifest.tables["t"].shards[0].path
+def test_verify_reports_corruption(db_factory) -> None:  # type: ignore[no-untyped-def]
+    db, _ = db_factory({"t": (8, (64,))})
+    shard = db / engramdb.open(db).manifest.tables["t"].shards[0].path
     data = bytearray(shard.read_bytes())
     data[100] ^= 1
     shard.write_bytes(bytes(data))
-    r = CliRunner().invoke(main, ["verify", str(tmp_path), "-q"])
+    r = CliRunner().invoke(main, ["verify", str(db), "-q"])
     assert r.exit_code == 1
     assert "MISMATCH table 't'" in r.output and "bytes [0, 512)" in r.output
 
 
-def test_drop(tmp_path: Path) -> None:
-    engramdb.build(tmp_path, "t", 8, [np.zeros((4, 8), np.uint8)])
-    code, out = run("drop", tmp_path, "-t", "t")
+def test_drop(db_factory) -> None:  # type: ignore[no-untyped-def]
+    db, _ = db_factory({"t": (8, (4,))})
+    code, out = run("drop", db, "-t", "t")
     assert code == 0
-    assert engramdb.open(tmp_path).tables == []
+    assert engramdb.open(db).tables == []
 
 
 def test_every_command_has_help() -> None:

@@ -22,11 +22,10 @@ HEADS = [11, 7, 13]
 
 
 @pytest.fixture
-def table(tmp_path: Path, rng: np.random.Generator):  # type: ignore[no-untyped-def]
-    full = rng.integers(0, 256, size=(sum(HEADS), 24), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", 24, [full], heads=HEADS)
-    db = engramdb.open(tmp_path)
-    yield db["t"], full
+def table(db_factory):  # type: ignore[no-untyped-def]
+    path, rows = db_factory({"t": (24, HEADS)})
+    db = engramdb.open(path)
+    yield db["t"], rows["t"]
     db.close()
 
 
@@ -139,9 +138,9 @@ def test_lookup_into_empty_batch_is_noop(table) -> None:  # type: ignore[no-unty
     s.lookup_into(np.zeros((0, 5, 3), np.int64), np.empty((0, 5, 3, 24), np.uint8))
 
 
-def test_closed_store_and_unknown_table(tmp_path: Path, rng: np.random.Generator) -> None:
-    engramdb.build(tmp_path, "t", 8, [rng.integers(0, 256, (10, 8), dtype=np.uint8)])
-    db = engramdb.open(tmp_path)
+def test_closed_store_and_unknown_table(db_factory) -> None:  # type: ignore[no-untyped-def]
+    path, _ = db_factory({"t": (8, (10,))})
+    db = engramdb.open(path)
     s = db["t"]
     with pytest.raises(TableNotFound, match="nope"):
         db["nope"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from engramdb import keygen
-from engramdb.cli.index_cmd import index as index_command
+from engramdb.cli.index_cmd import index_cmd as index_command
+from engramdb.disk.publish import write_manifest
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptManifest,
@@ -24,6 +24,8 @@ from engramdb.errors import (
     TruncatedFile,
 )
 from engramdb.index import KeyCounter, build_index, load_index
+from engramdb.layouts.geometry import plan_geometry
+from engramdb.layouts.manifest import EMPTY, ShardInfo, TableInfo
 
 QWEN_TINY = {
     "vocab_size": 64,
@@ -48,17 +50,28 @@ DEEPSEEK_WIDE = {
 def make_db(
     path: Path, tables: dict[str, int], h: keygen.Hasher | None = None, layer: int = 0
 ) -> Path:
+    """A database whose manifest names tables of ``n_rows`` rows of 160 B without writing
+    their shards (indexing reads only the manifest): one head per table, or ``h``'s heads of
+    ``layer`` plus one head of the padding rows up to ``n_rows`` if any."""
     path.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"format_version": 1, "tables": {}}
+    manifest = EMPTY
     for name, n_rows in tables.items():
-        spec: dict[str, Any] = {"n_rows": n_rows, "row_bytes": 160}
-        if h is not None:
-            spec["heads"] = [
-                {"rows": int(r), "offset": int(o)}
-                for r, o in zip(h.head_rows(layer), h.offsets(layer), strict=True)
-            ]
-        doc["tables"][name] = spec
-    (path / "manifest.json").write_text(json.dumps(doc))
+        heads = (n_rows,) if h is None else tuple(int(r) for r in h.head_rows(layer))
+        if sum(heads) < n_rows:
+            heads += (n_rows - sum(heads),)
+        geo = plan_geometry(n_rows, 160)
+        shards = tuple(
+            ShardInfo(
+                path=f"{name}/g-0/shard-{i:05d}.edb",
+                first_row=i * geo.rows_per_shard,
+                rows=geo.shard_rows(i),
+                bytes=geo.shard_rows(i) * 160,
+                xxh3_64="0" * 16,
+            )
+            for i in range(geo.n_shards)
+        )
+        manifest = manifest.with_table(TableInfo(name, 160, heads, geo, shards))
+    write_manifest(path, manifest)
     return path
 
 
@@ -176,7 +189,7 @@ def test_key_counter_merges_many_runs(rng: np.random.Generator) -> None:
         counter.add(c)
         for k in c.tolist():
             expected[tuple(k)] = expected.get(tuple(k), 0) + 1
-        counter._merge()  # force the log-structured merge path every time
+        counter.merge()  # force the log-structured merge path every time
     keys, counts = counter.result()
     assert [tuple(k) for k in keys.tolist()] == list(expected)
     assert counts.tolist() == list(expected.values())
@@ -219,12 +232,9 @@ def test_errors(tmp_path: Path) -> None:
         build_index(corpus, db, preset=h)
     with pytest.raises(InvalidArgument, match="88 rows but table 'b' has 87"):
         build_index(corpus, db, preset=h, table="b")
-    bad_heads = make_db(
-        tmp_path / "db2",
-        {"a": 88},
-        keygen.hasher("qwen4exp", {**QWEN_TINY, "seed": 1, "ngram_vocab_size_base": 19}),
-        layer=1,
-    )
+    other = keygen.hasher("qwen4exp", {**QWEN_TINY, "seed": 1, "ngram_vocab_size_base": 19})
+    rows = int(sum(other.head_rows(1)))  # exactly its heads: the table lists n_heads heads
+    bad_heads = make_db(tmp_path / "db2", {"a": rows}, other, layer=1)
     with pytest.raises(InvalidArgument, match="head 0"):
         build_index(corpus, bad_heads, preset=h)
     with pytest.raises(InvalidArgument, match="doc_separator"):

@@ -15,69 +15,74 @@ import pytest
 
 import engramdb
 from engramdb.errors import ChecksumMismatch, CorruptManifest, TruncatedFile  # noqa: F401
+from engramdb.testing.dbs import TableSpec
+
+#: One table of 3000 rows x 160 B in shards of four 128-row badges (six shards).
+SMALL = {"t": TableSpec(160, (3000,), rows_per_badge=128, shard_bytes=128 * 160 * 4)}
 
 
-def _build(db: Path, rng: np.random.Generator) -> np.ndarray:
-    a = rng.integers(0, 256, (3000, 160), dtype=np.uint8)
-    engramdb.build(db, "t", 160, [a], rows_per_badge=128, shard_bytes=128 * 160 * 4)
-    return a
+@pytest.fixture
+def small(db_factory):  # type: ignore[no-untyped-def]
+    """``(db, rows)``: the `SMALL` database and the rows of its table."""
+    db, rows = db_factory(SMALL)
+    return db, rows["t"]
 
 
-def test_truncated_shard_fails_at_open(tmp_path: Path, rng: np.random.Generator) -> None:
-    _build(tmp_path, rng)
-    shard = tmp_path / engramdb.open(tmp_path).manifest.tables["t"].shards[2].path
+def test_truncated_shard_fails_at_open(small: tuple[Path, np.ndarray]) -> None:
+    db, _ = small
+    shard = db / engramdb.open(db).manifest.tables["t"].shards[2].path
     with open(shard, "r+b") as f:
         f.truncate(1000)
     with pytest.raises(TruncatedFile, match="shard-00002") as e:
-        engramdb.open(tmp_path)
+        engramdb.open(db)
     assert isinstance(e.value, OSError)
     shard.unlink()
     with pytest.raises(TruncatedFile, match="missing"):
-        engramdb.open(tmp_path)
+        engramdb.open(db)
 
 
-def test_bit_flip_found_by_verify(tmp_path: Path, rng: np.random.Generator) -> None:
-    _build(tmp_path, rng)
-    assert engramdb.verify(tmp_path) == []
-    info = engramdb.open(tmp_path).manifest.tables["t"]
-    shard = tmp_path / info.shards[1].path
+def test_bit_flip_found_by_verify(small: tuple[Path, np.ndarray]) -> None:
+    db, _ = small
+    assert engramdb.verify(db) == []
+    info = engramdb.open(db).manifest.tables["t"]
+    shard = db / info.shards[1].path
     with open(shard, "r+b") as f:
         f.seek(12345)
         b = f.read(1)
         f.seek(12345)
         f.write(bytes([b[0] ^ 0x10]))
-    problems = engramdb.verify(tmp_path)
+    problems = engramdb.verify(db)
     assert len(problems) == 1
     p = problems[0]
     assert p.table == "t" and p.shard == info.shards[1].path and p.start <= 12345 < p.end
 
 
-def test_corrupt_manifest(tmp_path: Path, rng: np.random.Generator) -> None:
-    _build(tmp_path, rng)
-    m = tmp_path / "manifest.json"
+def test_corrupt_manifest(small: tuple[Path, np.ndarray]) -> None:
+    db, _ = small
+    m = db / "manifest.json"
     doc = json.loads(m.read_text())
     doc["tables"]["t"]["n_rows"] += 1
     m.write_text(json.dumps(doc))
     with pytest.raises(CorruptManifest):
-        engramdb.open(tmp_path)
+        engramdb.open(db)
     m.write_text("{not json")
     with pytest.raises(CorruptManifest) as e:
-        engramdb.open(tmp_path)
+        engramdb.open(db)
     assert isinstance(e.value, OSError)
     doc["format_version"] = 99
     m.write_text(json.dumps(doc))
     with pytest.raises(CorruptManifest, match="format_version"):
-        engramdb.open(tmp_path)
+        engramdb.open(db)
 
 
-def test_manifest_path_escape_rejected(tmp_path: Path, rng: np.random.Generator) -> None:
-    _build(tmp_path, rng)
-    m = tmp_path / "manifest.json"
+def test_manifest_path_escape_rejected(small: tuple[Path, np.ndarray]) -> None:
+    db, _ = small
+    m = db / "manifest.json"
     doc = json.loads(m.read_text())
     doc["tables"]["t"]["shards"][0]["path"] = "../../etc/passwd"
     m.write_text(json.dumps(doc))
     with pytest.raises(CorruptManifest, match="leaves the database"):
-        engramdb.open(tmp_path)
+        engramdb.open(db)
 
 
 KILLED_BUILD = r"""
@@ -94,10 +99,9 @@ engramdb.build(sys.argv[1], "t", 160, [a], force=True, progress=progress,
 
 
 def test_sigkill_mid_build_leaves_previous_database(
-    tmp_path: Path, rng: np.random.Generator
+    tmp_path: Path, small: tuple[Path, np.ndarray]
 ) -> None:
-    db = tmp_path / "db"
-    a = _build(db, rng)
+    db, a = small
     before = (db / "manifest.json").read_bytes()
     marker = tmp_path / "started"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(db), str(marker)])

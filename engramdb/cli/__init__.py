@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from engramdb import __version__
+from engramdb._version import __version__
 from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd

@@ -1,14 +1,17 @@
-"""Shared CLI plumbing: library errors become clean ``click`` errors at the edge."""
+"""Shared CLI plumbing: library errors become clean ``click`` errors at the edge, one lazy
+progress bar, the backend option, and the text of summaries and problems."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import click
 
 from engramdb.errors import EngramDBError
+from engramdb.io.select import BACKENDS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,3 +36,64 @@ def int_list(text: str | None) -> list[int] | None:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def backend_option(help: str | None = None) -> Callable[[F], F]:  # noqa: A002
+    """``--backend`` with the choices of `engramdb.io.select.BACKENDS` (default ``auto``)."""
+    return click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        default="auto",
+        show_default=True,
+        help=help,
+    )
+
+
+class LazyBar:
+    """A click progress bar (on stderr) opened at the first report, once the total is known.
+
+    Pass it as a library ``progress(done, total)`` callback; `close` it (or use it as a
+    context manager) when the call returns. ``quiet`` hides it."""
+
+    def __init__(self, quiet: bool, label: str) -> None:
+        self.quiet, self.label = quiet, label
+        self.bar: Any = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(
+                length=total, label=self.label, hidden=self.quiet, file=sys.stderr
+            )
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+    def __enter__(self) -> LazyBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HasLine(Protocol):
+    def line(self) -> str: ...
+
+
+def echo_summaries(summaries: Iterable[_HasLine]) -> None:
+    """Print each summary's one-line text (``.line()``) on stdout."""
+    for s in summaries:
+        click.echo(s.line())
+
+
+def echo_problems(problems: Iterable[_HasLine]) -> bool:
+    """Print ``MISMATCH <problem>`` on stderr for each problem; True if there were any."""
+    found = False
+    for p in problems:
+        click.echo(f"MISMATCH {p.line()}", err=True)
+        found = True
+    return found

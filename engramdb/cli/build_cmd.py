@@ -5,7 +5,7 @@ import sys
 import click
 
 from engramdb.build import build
-from engramdb.cli._common import int_list, library_errors
+from engramdb.cli._common import echo_summaries, int_list, library_errors
 from engramdb.sources import resolve_sources
 from engramdb.units import parse_size
 
@@ -73,4 +73,4 @@ def build_cmd(
             shard_bytes=parse_size(shard_size),
             progress=bar.update,
         )
-    click.echo(summary.line())
+    echo_summaries([summary])

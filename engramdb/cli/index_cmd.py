@@ -1,38 +1,15 @@
-"""``engramdb index CORPUS DB --preset NAME``: one call to :func:`engramdb.index.build_index`."""
+"""``engramdb index CORPUS DB --preset NAME``: one call to :func:`engramdb.build.index.build_index`."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
-from engramdb.cli._common import library_errors
-from engramdb.index import BIN_DTYPES, DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
+from engramdb.build.index import DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
+from engramdb.cli._common import LazyBar, echo_summaries, library_errors
+from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
-
-
-class _LazyBar:
-    """A click progress bar opened at the first report, once the total is known."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.bar: Any = None
-        self.done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = click.progressbar(
-                length=total, label="indexing", hidden=self.quiet, file=sys.stderr
-            )
-            self.bar.__enter__()
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
 
 
 @click.command("index")
@@ -102,8 +79,7 @@ def index_cmd(
     most frequent rows with counts), keys.zst (distinct n-gram keys in order of first access,
     with counts) and index.json.
     """
-    bar = _LazyBar(quiet)
-    try:
+    with LazyBar(quiet, "indexing") as bar:
         summary = build_index(
             corpus,
             db,
@@ -118,9 +94,4 @@ def index_cmd(
             chunk_tokens=chunk_tokens,
             progress=bar,
         )
-    finally:
-        bar.close()
-    click.echo(summary.line())
-
-
-index = index_cmd
+    echo_summaries([summary])

@@ -6,7 +6,7 @@ import sys
 import click
 
 from engramdb.build import drop_table
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import echo_problems, library_errors
 from engramdb.database import Database
 from engramdb.units import format_bytes
 from engramdb.verify import total_bytes, verify
@@ -61,9 +61,7 @@ def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool) -> Non
             progress=bar.update,
             notes=lambda m: click.echo(f"note: {m}", err=True),
         )
-    for p in [*problems, *view_problems]:
-        click.echo(f"MISMATCH {p.line()}", err=True)
-    if problems or view_problems:
+    if echo_problems([*problems, *view_problems]):
         sys.exit(1)
     click.echo("ok: every shard matches its manifest checksum; views match Store-I")
 

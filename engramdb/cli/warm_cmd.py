@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import echo_summaries, library_errors
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument
 from engramdb.warm import residency, warm_hot, warm_tables, warm_view
@@ -55,18 +55,16 @@ def warm_cmd(
                     f"{names[0]}/{view}: {v.residency():.1%} resident ({v.nbytes / 1e9:.2f} GB)"
                 )
             else:
-                click.echo(warm_view(d, names[0], view, threads=threads).line())
+                echo_summaries([warm_view(d, names[0], view, threads=threads)])
             return
         if check:
             for name, frac in residency(d, names).items():
                 click.echo(f"{name}: {frac:.1%} resident ({d[name].nbytes / 1e9:.2f} GB)")
             return
         if hot:
-            for h in warm_hot(d, names):
-                click.echo(h.line())
+            echo_summaries(warm_hot(d, names))
             return
         total = sum(d[n].nbytes for n in names)
         with click.progressbar(length=total, label="warming", hidden=quiet, file=sys.stderr) as bar:
             summaries = warm_tables(d, names, threads=threads, progress=bar.update)
-    for s in summaries:
-        click.echo(s.line())
+    echo_summaries(summaries)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, kernel_stats
 from engramdb.keygen.kinds import DeepSeekHasher, GemmaHasher, QwenHasher
-from engramdb.keygen.presets import KINDS, PRESETS, hasher, preset
-from engramdb.keygen.stream import KeyStream
+from engramdb.keygen.presets import KINDS, PRESETS, as_hasher, hasher, preset
+from engramdb.keygen.stream import KeyStream, Step, StepSource
 from engramdb.keygen.tokenmap import (
     TokenMap,
     build_token_map,
@@ -32,7 +32,10 @@ __all__ = [
     "KeyStream",
     "LayerTables",
     "QwenHasher",
+    "Step",
+    "StepSource",
     "TokenMap",
+    "as_hasher",
     "build_token_map",
     "compression_normalizer",
     "file_sha256",

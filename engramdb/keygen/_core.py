@@ -15,23 +15,38 @@ implements everything else once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from engramdb.errors import (
-    InvalidArgument,
-    InvalidDtype,
-    InvalidLayout,
-    ShapeMismatch,
-    TokenIdOutOfRange,
+from engramdb.errors import InvalidArgument, ShapeMismatch, TokenIdOutOfRange
+from engramdb.keygen._arith import INT64_MAX, wrap_int64
+from engramdb.keygen._tables import (
+    LayerTables,
+    as_mask,
+    as_token_array,
+    check_range,
+    prepare_out,
+    to_int64,
 )
-from engramdb.keygen._arith import INT64_MAX, exclusive_prefix_sum, wrap_int64
+from engramdb.keygen.stream import KeyStream, Step
 
-if TYPE_CHECKING:
-    from engramdb.keygen.stream import KeyStream
+# Re-exported for the kinds and older imports; they live in `engramdb.keygen._tables`.
+__all__ = [
+    "BLOCK_TOKENS",
+    "Hasher",
+    "LayerTables",
+    "as_mask",
+    "as_token_array",
+    "check_range",
+    "contexts_ext",
+    "hash_ext",
+    "hash_keys_into",
+    "kernel_stats",
+    "prepare_out",
+    "to_int64",
+]
 
 # Positions hashed per kernel block. Measured on a 2-core EPYC: 8192 keeps the [columns, block]
 # scratch (24 x 8192 x 8 B = 1.5 MiB) near L2 while the ~80 ufunc calls per block cost < 10 ns
@@ -41,176 +56,6 @@ BLOCK_TOKENS = 8192
 # Positions and blocks served by the vectorised kernel since import. Probes read it to prove
 # which path ran; one dict update per block (~8k positions) costs nothing measurable.
 kernel_stats = {"blocks": 0, "positions": 0}
-
-
-def _readonly(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.array(values, dtype=np.int64)
-    arr.setflags(write=False)
-    return arr
-
-
-def _int_list(name: str, values: Any) -> list[int]:
-    """Python ints from a list / tuple or any 1-D integer array (e.g. a checkpoint buffer)."""
-    if not isinstance(values, (list, tuple)):
-        values = np.asarray(values)
-        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
-            raise InvalidArgument(f"{name} must be a 1-D list of integers, got {values!r}")
-        values = values.tolist()
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        raise InvalidArgument(f"{name} must be a 1-D list of integers, got {values!r}")
-    return [int(v) for v in values]
-
-
-@dataclass(frozen=True, eq=False)
-class LayerTables:
-    """Hash constants of one layer's table: multipliers, bucket sizes, column offsets.
-
-    ``primes[col]`` is the bucket count of column ``col`` (order-major, head-minor), ``offsets``
-    its first global row, ``table_rows`` the table size (the sum of the buckets, possibly padded).
-    """
-
-    layer: int
-    max_ngram: int
-    heads_per_ngram: int
-    multipliers: np.ndarray
-    primes: np.ndarray
-    offsets: np.ndarray
-    table_rows: int
-
-    @classmethod
-    def build(
-        cls,
-        layer: int,
-        max_ngram: int,
-        heads_per_ngram: int,
-        multipliers: Sequence[int],
-        primes: Sequence[int],
-        offsets: Sequence[int] | None = None,
-        table_rows: int | None = None,
-    ) -> LayerTables:
-        """Validate and freeze one layer's constants (``offsets`` default to prefix sums)."""
-        n_cols = (max_ngram - 1) * heads_per_ngram
-        mult = _int_list(f"layer {layer} multipliers", multipliers)
-        prm = _int_list(f"layer {layer} primes", primes)
-        if len(mult) != max_ngram:
-            raise InvalidArgument(
-                f"layer {layer}: {len(mult)} multipliers given, max n-gram order {max_ngram} "
-                f"needs {max_ngram}"
-            )
-        if any(not -(1 << 63) <= m <= INT64_MAX for m in mult):
-            raise InvalidArgument(f"layer {layer}: multipliers {mult} do not fit in int64")
-        if len(prm) != n_cols:
-            raise InvalidArgument(
-                f"layer {layer}: {len(prm)} bucket sizes given, {n_cols} columns "
-                f"({max_ngram - 1} orders x {heads_per_ngram} heads) need {n_cols}"
-            )
-        if any(p <= 0 for p in prm):
-            raise InvalidArgument(f"layer {layer}: bucket sizes must be positive, got {prm}")
-        off = exclusive_prefix_sum(prm) if offsets is None else _int_list("offsets", offsets)
-        if len(off) != n_cols:
-            raise InvalidArgument(f"layer {layer}: {len(off)} offsets given, need {n_cols}")
-        # Frozen offsets win over prefix sums, but two columns sharing rows would silently
-        # alias different n-grams: reject overlap.
-        spans = sorted(zip(off, prm, strict=True))
-        end = 0
-        for start, size in spans:
-            if start < end:
-                raise InvalidArgument(
-                    f"layer {layer}: column at offset {start} overlaps the previous column "
-                    f"(which ends at row {end})"
-                )
-            end = start + size
-        rows = end if table_rows is None else int(table_rows)
-        if rows < end:
-            raise InvalidArgument(
-                f"layer {layer}: table_rows {rows} is smaller than the last column's end {end}"
-            )
-        if end > INT64_MAX:
-            raise InvalidArgument(f"layer {layer}: table of {end} rows does not fit int64 ids")
-        return cls(
-            layer=int(layer),
-            max_ngram=max_ngram,
-            heads_per_ngram=heads_per_ngram,
-            multipliers=_readonly(mult),
-            primes=_readonly(prm),
-            offsets=_readonly(off),
-            table_rows=rows,
-        )
-
-    @property
-    def n_heads(self) -> int:
-        """Row ids per token: one per column, ``(max_ngram - 1) * heads_per_ngram`` if hashed."""
-        return len(self.primes)
-
-    def py_constants(self) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int], ...], ...]]:
-        """Python-int copies for the one-token path: multipliers, and per order ``(P, OFF)``."""
-        mult = tuple(int(m) for m in self.multipliers)
-        h = self.heads_per_ngram
-        cols = tuple(
-            tuple((int(self.primes[c]), int(self.offsets[c])) for c in range(i * h, (i + 1) * h))
-            for i in range(self.max_ngram - 1)
-        )
-        return mult, cols
-
-
-# --- input checks ---------------------------------------------------------------------------
-def as_token_array(
-    token_ids: Any, *, name: str = "token_ids", allow_scalar: bool = False
-) -> np.ndarray:
-    """``token_ids`` as an integer ndarray (no copy when it already is one)."""
-    arr = np.asarray(token_ids)
-    if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(token_ids, np.ndarray):
-        arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is fine
-    if arr.dtype.kind not in "iu":
-        raise InvalidDtype(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.ndim == 0 and not allow_scalar:
-        raise ShapeMismatch(f"{name} must have shape [..., T], got a scalar")
-    return arr
-
-
-def as_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """A boolean dead-position mask of exactly ``shape``."""
-    arr = np.asarray(mask)
-    if arr.dtype != np.bool_:
-        raise InvalidDtype(f"mask must be a boolean array (True = dead position), got {arr.dtype}")
-    if arr.shape != shape:
-        raise ShapeMismatch(f"mask shape {arr.shape} differs from token_ids shape {shape}")
-    return arr
-
-
-def check_range(arr: np.ndarray, lo: int, hi: int, what: str) -> None:
-    """Raise ``TokenIdOutOfRange`` naming the first id outside ``[lo, hi)``. Two passes."""
-    if arr.size == 0:
-        return
-    if int(arr.min()) >= lo and int(arr.max()) < hi:
-        return
-    flat = arr.reshape(-1)
-    first = int(np.flatnonzero((flat < lo) | (flat >= hi))[0])
-    where = tuple(int(i) for i in np.unravel_index(first, arr.shape))
-    raise TokenIdOutOfRange(
-        f"token id {int(flat[first])} at index {where} is outside [{lo}, {hi}) ({what}); "
-        f"pass strict=False for the reference engine's behaviour"
-    )
-
-
-def to_int64(arr: np.ndarray) -> np.ndarray:
-    """int64 view or copy; out-of-range uint64 values wrap like a C cast (reference mode)."""
-    if arr.dtype == np.int64:
-        return arr
-    return arr.astype(np.int64, casting="unsafe")
-
-
-def prepare_out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
-    """A caller-supplied int64 C-contiguous output of ``shape``, or a fresh one."""
-    if out is None:
-        return np.empty(shape, dtype=np.int64)
-    if not isinstance(out, np.ndarray) or out.dtype != np.int64:
-        raise InvalidDtype(f"out must be an int64 ndarray, got {getattr(out, 'dtype', type(out))}")
-    if out.shape != shape:
-        raise ShapeMismatch(f"out has shape {out.shape}, expected {shape}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidLayout("out must be C-contiguous and writeable")
-    return out
 
 
 # --- the vectorised kernel ------------------------------------------------------------------
@@ -411,7 +256,8 @@ class Hasher:
         """Row ids per token and layer (all n-gram orders times heads; 1 for Gemma)."""
         return next(iter(self._tables.values())).n_heads
 
-    def _layer(self, layer: int | None) -> LayerTables:
+    def layer_tables(self, layer: int | None = None) -> LayerTables:
+        """The hash constants of ``layer`` (None: the only table, if all layers share one)."""
         if layer is None:
             distinct = {id(t) for t in self._tables.values()}
             if len(distinct) == 1:
@@ -429,23 +275,23 @@ class Hasher:
 
     def multipliers(self, layer: int | None = None) -> np.ndarray:
         """int64 ``[max_ngram]`` hash multipliers (``m[0]`` multiplies the current token)."""
-        return self._layer(layer).multipliers
+        return self.layer_tables(layer).multipliers
 
     def primes(self, layer: int | None = None) -> np.ndarray:
         """int64 ``[n_heads]`` bucket moduli in column order (order-major, head-minor)."""
-        return self._layer(layer).primes
+        return self.layer_tables(layer).primes
 
     def offsets(self, layer: int | None = None) -> np.ndarray:
         """int64 ``[n_heads]`` first global row of each column in the layer's table."""
-        return self._layer(layer).offsets
+        return self.layer_tables(layer).offsets
 
     def head_rows(self, layer: int | None = None) -> np.ndarray:
         """int64 ``[n_heads]`` rows of each column's segment (the primes for hashed kinds)."""
-        return self._layer(layer).primes
+        return self.layer_tables(layer).primes
 
     def table_rows(self, layer: int | None = None) -> int:
         """Rows of the layer's table, including any padding rows that are never addressed."""
-        return self._layer(layer).table_rows
+        return self.layer_tables(layer).table_rows
 
     # --- kind hooks -------------------------------------------------------------------------
     def _encode(self, arr: np.ndarray, compressed: bool, strict: bool) -> np.ndarray:
@@ -541,7 +387,7 @@ class Hasher:
         *,
         local: bool,
     ) -> np.ndarray:
-        lt = self._layer(layer)
+        lt = self.layer_tables(layer)
         ext, ext_bar, dead, shape = self._ext(token_ids, compressed, mask, strict)
         res = prepare_out(out, (*shape, lt.n_heads))
         n_seq, n_pos = ext.shape[0], shape[-1]
@@ -569,6 +415,38 @@ class Hasher:
         )
         return res
 
+    def iter_keys(
+        self,
+        seq: Any,
+        chunk_tokens: int,
+        *,
+        compressed: bool = False,
+        doc_separator: int | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Contexts (int64 ``[t, max_ngram]``, as :meth:`keys`) of one long sequence ``seq``
+        (``[T]``, e.g. a memory-mapped file), ``chunk_tokens`` at a time, the look-back carried
+        across chunks: the chunks concatenate to ``keys(seq)``. ``doc_separator`` starts a new
+        sequence at each occurrence of that id (it is the new sequence's first token).
+        Memory: one chunk's contexts; a `TokenIdOutOfRange` names the chunk's first token.
+        """
+        width = self.max_ngram
+        hist_ids: np.ndarray | None = None
+        hist_bar: np.ndarray | None = None
+        for t0 in range(0, seq.shape[0], chunk_tokens):
+            chunk = np.asarray(seq[t0 : t0 + chunk_tokens])
+            starts = None if doc_separator is None else (chunk == doc_separator).reshape(1, -1)
+            try:
+                ext, ext_bar, dead, shape = self._ext(
+                    chunk.reshape(1, -1), compressed, None, True, hist_ids, hist_bar, starts
+                )
+            except TokenIdOutOfRange as exc:
+                raise TokenIdOutOfRange(f"{exc} [chunk starting at token {t0}]") from None
+            keys = np.empty((1, shape[-1], width), dtype=np.int64)
+            contexts_ext(ext, ext_bar, dead, width, self.fill_id, keys)
+            keep = ext.shape[1] - (width - 1)
+            hist_ids, hist_bar = ext[:, keep:].copy(), ext_bar[:, keep:].copy()
+            yield keys[0]
+
     def hash_keys(
         self,
         keys: Any,
@@ -579,7 +457,7 @@ class Hasher:
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Row ids (int64 ``[..., n_heads]``) of contexts from :meth:`keys` (``[..., max_ngram]``)."""
-        lt = self._layer(layer)
+        lt = self.layer_tables(layer)
         arr = as_token_array(keys, name="keys")
         if arr.shape[-1] != self.max_ngram:
             raise ShapeMismatch(f"keys must be [..., {self.max_ngram}], got shape {arr.shape}")
@@ -599,13 +477,11 @@ class Hasher:
         strict: bool = True,
     ) -> KeyStream:
         """A decode-time state: ``push`` returns the row ids of the pushed tokens only."""
-        from engramdb.keygen.stream import KeyStream
-
         return KeyStream(
-            self, self._layer(layer), compressed=compressed, local=local, strict=strict
+            self, self.layer_tables(layer), compressed=compressed, local=local, strict=strict
         )
 
-    def _stream_rows(
+    def stream_rows(
         self,
         lt: LayerTables,
         arr: np.ndarray,
@@ -616,7 +492,9 @@ class Hasher:
         hist_ids: np.ndarray,
         hist_bar: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Batched continuation: rows of ``arr`` ``[B, T]`` after ``hist`` ``[B, N-1]``, new hist."""
+        """Batched continuation: rows of ``arr`` ``[B, T]`` after ``hist`` ``[B, N-1]``, new hist.
+
+        What a `KeyStream` calls for a push of more than one token."""
         ext, ext_bar, dead, shape = self._ext(arr, compressed, mask, strict, hist_ids, hist_bar)
         res = np.empty((*shape, lt.n_heads), dtype=np.int64)
         n_seq, n_pos = ext.shape[0], shape[-1]
@@ -633,9 +511,7 @@ class Hasher:
         """``tid -> hashed id`` for one Python int, with the same checks as :meth:`_encode`."""
         raise NotImplementedError
 
-    def _make_step(
-        self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool
-    ) -> Callable[[int, bool, list[int], list[bool]], np.ndarray]:
+    def make_step(self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool) -> Step:
         """A specialised one-token step: ``step(tid, dead, ids, bars) -> int64 [n_heads]``.
 
         ``ids`` / ``bars`` are the sequence's last N-1 hashed ids and barrier flags (oldest

@@ -20,123 +20,29 @@ from engramdb.keygen._arith import (
     deepseek_primes,
     qwen_multipliers,
 )
-from engramdb.keygen._core import (
-    Hasher,
+from engramdb.keygen._config import (
+    MULT_KEYS,
+    OFFSET_KEYS,
+    PRIME_KEYS,
+    Config,
+    check_constant_layers,
+    frozen_constants,
+    identity,
+    oov_message,
+    pick,
+    range_checked,
+)
+from engramdb.keygen._core import Hasher
+from engramdb.keygen._tables import (
     LayerTables,
-    _readonly,
     as_mask,
     as_token_array,
     check_range,
     prepare_out,
+    readonly_int64,
     to_int64,
 )
 from engramdb.keygen.tokenmap import TokenMap
-
-_MISSING = object()
-
-
-def _identity(tid: int) -> int:
-    return tid
-
-
-def _oov_message(tid: int, bound: int, what: str) -> str:
-    return (
-        f"token id {tid} is outside [0, {bound}) ({what}); "
-        f"pass strict=False for the reference engine's behaviour"
-    )
-
-
-def _range_checked(bound: int, what: str) -> Callable[[int], int]:
-    def encode(tid: int) -> int:
-        if 0 <= tid < bound:
-            return tid
-        raise TokenIdOutOfRange(_oov_message(tid, bound, what))
-
-    return encode
-
-
-# Aliases under which checkpoints ship frozen constants (Qwen's buffer names included).
-_MULT_KEYS = ("multipliers", "layer_multipliers")
-_PRIME_KEYS = ("primes", "ngram_heads_vocab_sizes", "head_rows")
-_OFFSET_KEYS = ("offsets", "ngram_heads_offsets")
-
-
-class _Config:
-    """Field lookup in a HF config dict, falling back to its ``text_config``."""
-
-    def __init__(self, kind: str, config: Mapping[str, Any]) -> None:
-        if not isinstance(config, Mapping):
-            raise InvalidArgument(f"{kind} config must be a dict, got {type(config).__name__}")
-        self.kind = kind
-        self.top = config
-        text = config.get("text_config")
-        self.text = text if isinstance(text, Mapping) else {}
-
-    def get(self, *names: str, default: Any = _MISSING) -> Any:
-        for src in (self.top, self.text):
-            for name in names:
-                if name in src and src[name] is not None:
-                    return src[name]
-        if default is _MISSING:
-            raise InvalidArgument(f"{self.kind} config lacks {' / '.join(repr(n) for n in names)}")
-        return default
-
-    def integer(self, *names: str, default: Any = _MISSING, minimum: int | None = None) -> Any:
-        value = self.get(*names, default=default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise InvalidArgument(
-                f"{self.kind} config {names[0]!r} must be an integer, got {value!r}"
-            )
-        if minimum is not None and value < minimum:
-            raise InvalidArgument(
-                f"{self.kind} config {names[0]!r} must be >= {minimum}, got {value}"
-            )
-        return int(value)
-
-    def int_list(self, *names: str) -> list[int]:
-        value = self.get(*names)
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            return [int(value)]
-        if (
-            not isinstance(value, Sequence)
-            or isinstance(value, (str, bytes))
-            or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
-        ):
-            raise InvalidArgument(
-                f"{self.kind} config {names[0]!r} must list integers, got {value!r}"
-            )
-        return [int(v) for v in value]
-
-
-def _frozen(constants: Mapping[Any, Any] | None, layer: int) -> Mapping[str, Any]:
-    if not constants:
-        return {}
-    for key in (layer, str(layer)):
-        if key in constants:
-            entry = constants[key]
-            if not isinstance(entry, Mapping):
-                raise InvalidArgument(f"constants[{layer!r}] must be a dict, got {entry!r}")
-            return entry
-    return {}
-
-
-def _pick(entry: Mapping[str, Any], keys: Sequence[str]) -> Any:
-    for key in keys:
-        if key in entry and entry[key] is not None:
-            return entry[key]
-    return None
-
-
-def _check_constant_layers(constants: Mapping[Any, Any] | None, layers: Sequence[int]) -> None:
-    for key in constants or {}:
-        try:
-            ok = int(key) in layers
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise InvalidArgument(f"constants given for layer {key!r}, layers are {list(layers)}")
 
 
 # --- DeepSeek Engram ------------------------------------------------------------------------
@@ -170,7 +76,7 @@ class DeepSeekHasher(Hasher):
             raise InvalidArgument(self._unready)
 
     def multipliers(self, layer: int | None = None) -> np.ndarray:
-        lt = self._layer(layer)
+        lt = self.layer_tables(layer)
         self._ready()
         return lt.multipliers
 
@@ -216,8 +122,8 @@ class DeepSeekHasher(Hasher):
         self._check_encodable(compressed, strict)
         if compressed:
             if not strict or self.id_bound is None:
-                return _identity
-            return _range_checked(self.id_bound, "compressed vocabulary")
+                return identity
+            return range_checked(self.id_bound, "compressed vocabulary")
         assert self.token_map is not None
         table = self.token_map.table.tolist()
         size = len(table)
@@ -226,7 +132,7 @@ class DeepSeekHasher(Hasher):
             if 0 <= tid < size:
                 return table[tid]
             if strict:
-                raise TokenIdOutOfRange(_oov_message(tid, size, "tokenizer vocabulary"))
+                raise TokenIdOutOfRange(oov_message(tid, size, "tokenizer vocabulary"))
             return table[min(max(tid, 0), size - 1)]
 
         return encode
@@ -243,7 +149,7 @@ def build_deepseek(
     info: Mapping[str, Any] | None = None,
 ) -> DeepSeekHasher:
     """A DeepSeek hasher from the demo's ``EngramConfig`` or the V4.1 HF ``text_config`` fields."""
-    cfg = _Config(kind, config)
+    cfg = Config(kind, config)
     if kind == "deepseek-demo":
         layer_ids = cfg.int_list("layer_ids")
         max_ngram = cfg.integer("max_ngram_size", minimum=2)
@@ -276,7 +182,7 @@ def build_deepseek(
         raise InvalidArgument(
             f"{kind} engram_vocab_size needs one base >= 2 per order 2..{max_ngram}, got {bases}"
         )
-    _check_constant_layers(constants, layer_ids)
+    check_constant_layers(constants, layer_ids)
 
     tmap = None if token_map is None else TokenMap.coerce(token_map)
     vocab_c = cfg_vc
@@ -305,22 +211,22 @@ def build_deepseek(
     tables: dict[int, LayerTables] = {}
     missing_mult = False
     for i, layer in enumerate(layer_ids):
-        entry = _frozen(constants, layer)
-        mult = _pick(entry, _MULT_KEYS)
+        entry = frozen_constants(constants, layer)
+        mult = pick(entry, MULT_KEYS)
         if mult is None:
             if vocab_c is None:
                 missing_mult = True
                 mult = [1] * max_ngram  # placeholder; multipliers() refuses until V_c is known
             else:
                 mult = deepseek_multipliers(seed, layer, max_ngram, vocab_c)
-        primes = _pick(entry, _PRIME_KEYS)
+        primes = pick(entry, PRIME_KEYS)
         lt = LayerTables.build(
             layer,
             max_ngram,
             heads,
             mult,
             derived_primes[layer] if primes is None else primes,
-            _pick(entry, _OFFSET_KEYS),
+            pick(entry, OFFSET_KEYS),
             entry.get("table_rows"),
         )
         if num_embeddings is not None and len(num_embeddings) == len(layer_ids):
@@ -392,7 +298,7 @@ class QwenHasher(Hasher):
     def _encode_fn(self, compressed: bool, strict: bool) -> Callable[[int], int]:
         if compressed:
             raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
-        return _range_checked(self.vocab_size, "vocabulary") if strict else _identity
+        return range_checked(self.vocab_size, "vocabulary") if strict else identity
 
 
 def build_qwen(
@@ -404,7 +310,7 @@ def build_qwen(
 ) -> QwenHasher:
     """A Qwen PLE hasher from ``Qwen4ExpTextConfig`` fields (``text_config`` accepted)."""
     kind = "qwen4exp"
-    cfg = _Config(kind, config)
+    cfg = Config(kind, config)
     vocab = cfg.integer("vocab_size", minimum=1)
     max_ngram = cfg.integer("ngram_size", minimum=2)
     heads = cfg.integer("heads_per_ngram", minimum=1)
@@ -428,18 +334,18 @@ def build_qwen(
         raise InvalidArgument(
             f"qwen4exp ngram_heads {declared} differs from (ngram_size-1)*heads_per_ngram {n_cols}"
         )
-    _check_constant_layers(constants, layer_ids)
+    check_constant_layers(constants, layer_ids)
     all_primes = consecutive_primes(base, n_cols * len(layer_ids))
     tables: dict[int, LayerTables] = {}
     for k, layer in enumerate(layer_ids):
-        entry = _frozen(constants, layer)
-        mult = _pick(entry, _MULT_KEYS)
+        entry = frozen_constants(constants, layer)
+        mult = pick(entry, MULT_KEYS)
         if mult is None:
             mult = qwen_multipliers(seed, k, max_ngram, vocab)
-        primes = _pick(entry, _PRIME_KEYS)
+        primes = pick(entry, PRIME_KEYS)
         if primes is None:
             primes = all_primes[k * n_cols : (k + 1) * n_cols]
-        offsets = _pick(entry, _OFFSET_KEYS)
+        offsets = pick(entry, OFFSET_KEYS)
         plain = LayerTables.build(layer, max_ngram, heads, mult, primes, offsets)
         padded = entry.get("table_rows")
         if padded is None:
@@ -486,12 +392,12 @@ class GemmaHasher(Hasher):
         self.vocab_size = vocab_size
 
     def multipliers(self, layer: int | None = None) -> np.ndarray:
-        self._layer(layer)
-        return _readonly([])
+        self.layer_tables(layer)
+        return readonly_int64([])
 
     def primes(self, layer: int | None = None) -> np.ndarray:
-        self._layer(layer)
-        return _readonly([])
+        self.layer_tables(layer)
+        return readonly_int64([])
 
     def _rowmap(self, arr: np.ndarray, mask: Any, strict: bool) -> np.ndarray:
         if strict:
@@ -513,7 +419,7 @@ class GemmaHasher(Hasher):
         *,
         local: bool,
     ) -> np.ndarray:
-        self._layer(layer)
+        self.layer_tables(layer)
         if compressed:
             raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
         arr = as_token_array(token_ids)
@@ -535,7 +441,7 @@ class GemmaHasher(Hasher):
         strict: bool = True,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        self._layer(layer)
+        self.layer_tables(layer)
         arr = as_token_array(keys, name="keys")
         if arr.shape[-1] != 1:
             raise ShapeMismatch(f"gemma3n keys must be [..., 1], got shape {arr.shape}")
@@ -557,7 +463,7 @@ class GemmaHasher(Hasher):
             ids2 = np.where(mask2, 0, ids2)
         return ids2, None, None
 
-    def _make_step(
+    def make_step(
         self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool
     ) -> Callable[[int, bool, list[int], list[bool]], np.ndarray]:
         if compressed:
@@ -566,13 +472,13 @@ class GemmaHasher(Hasher):
 
         def step(tid: int, dead: bool, ids: list[int], bars: list[bool]) -> np.ndarray:
             if strict and not 0 <= tid < vocab:
-                raise TokenIdOutOfRange(_oov_message(tid, vocab, "vocabulary incl. multimodal ids"))
+                raise TokenIdOutOfRange(oov_message(tid, vocab, "vocabulary incl. multimodal ids"))
             row = tid if 0 <= tid < table_ids and not dead else 0
             return np.array([row], dtype=np.int64)
 
         return step
 
-    def _stream_rows(
+    def stream_rows(
         self,
         lt: LayerTables,
         arr: np.ndarray,
@@ -594,7 +500,7 @@ def build_gemma(
     info: Mapping[str, Any] | None = None,
 ) -> GemmaHasher:
     """A Gemma 3n PLE hasher from ``Gemma3nTextConfig`` fields (``text_config`` accepted)."""
-    cfg = _Config("gemma3n", config)
+    cfg = Config("gemma3n", config)
     table_ids = cfg.integer("vocab_size_per_layer_input", minimum=1)
     n_layers = cfg.integer("num_hidden_layers", minimum=1)
     width = cfg.integer("hidden_size_per_layer_input", default=None, minimum=1)
@@ -607,9 +513,9 @@ def build_gemma(
         layer=0,
         max_ngram=1,
         heads_per_ngram=1,
-        multipliers=_readonly([]),
-        primes=_readonly([table_ids]),
-        offsets=_readonly([0]),
+        multipliers=readonly_int64([]),
+        primes=readonly_int64([table_ids]),
+        offsets=readonly_int64([0]),
         table_rows=table_ids,
     )
     full_info: dict[str, Any] = {

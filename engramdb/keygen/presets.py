@@ -13,6 +13,7 @@ from typing import Any
 from engramdb.errors import InvalidArgument
 from engramdb.keygen._core import Hasher
 from engramdb.keygen.kinds import build_deepseek, build_gemma, build_qwen
+from engramdb.keygen.tokenmap import TokenMap
 
 KINDS = ("deepseek-demo", "deepseek-v41", "qwen4exp", "gemma3n")
 
@@ -192,3 +193,17 @@ def preset(
         name=name,
         info=spec.get("info"),
     )
+
+
+def as_hasher(spec: Any, *, token_map: Any = None) -> Hasher:
+    """The `Hasher` ``spec`` names: a preset name goes through `preset` (with ``token_map``,
+    coerced by `TokenMap.coerce`, if given); a `Hasher` (or any object with ``row_ids``) is
+    returned as it is, and then ``token_map`` must be None. Anything else raises
+    `InvalidArgument` (as an unknown preset name does). No I/O beyond loading a map file."""
+    if isinstance(spec, Hasher) or (not isinstance(spec, str) and hasattr(spec, "row_ids")):
+        if token_map is not None:
+            raise InvalidArgument("token_map goes into the Hasher when one is passed")
+        return spec  # type: ignore[no-any-return]
+    if token_map is not None:
+        return preset(spec, token_map=TokenMap.coerce(token_map))
+    return preset(spec)

@@ -7,15 +7,44 @@ full pass over the concatenated tokens returns.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from engramdb.errors import InvalidDtype, ShapeMismatch
-from engramdb.keygen._core import LayerTables, as_token_array
+from engramdb.keygen._tables import LayerTables, as_token_array
 
-if TYPE_CHECKING:
-    from engramdb.keygen._core import Hasher
+__all__ = ["KeyStream", "Step", "StepSource"]
+
+#: A specialised one-token step: ``step(tid, dead, ids, bars) -> int64 [n_heads]``; ``ids`` /
+#: ``bars`` (the last N-1 hashed ids and barrier flags, oldest first) are updated in place.
+Step = Callable[[int, bool, list[int], list[bool]], np.ndarray]
+
+
+class StepSource(Protocol):
+    """What a `KeyStream` needs from its hasher (`engramdb.keygen.Hasher` is one)."""
+
+    fill_id: int
+    max_ngram: int
+
+    def make_step(self, lt: LayerTables, *, compressed: bool, local: bool, strict: bool) -> Step:
+        """The one-token step of layer ``lt``."""
+        ...
+
+    def stream_rows(
+        self,
+        lt: LayerTables,
+        arr: np.ndarray,
+        mask: Any,
+        compressed: bool,
+        strict: bool,
+        local: bool,
+        hist_ids: np.ndarray,
+        hist_bar: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of ``arr`` ``[B, T]`` after the look-back ``hist`` ``[B, N-1]``, new hist."""
+        ...
 
 
 class KeyStream:
@@ -29,7 +58,7 @@ class KeyStream:
 
     def __init__(
         self,
-        hasher: Hasher,
+        hasher: StepSource,
         lt: LayerTables,
         *,
         compressed: bool,
@@ -43,8 +72,9 @@ class KeyStream:
         self.local = local
         self.strict = strict
         self._hist_len = hasher.max_ngram - 1
-        self._step = hasher._make_step(lt, compressed=compressed, local=local, strict=strict)
-        self._n_heads = lt.n_heads
+        self._step = hasher.make_step(lt, compressed=compressed, local=local, strict=strict)
+        self.n_heads = lt.n_heads  # row ids per token
+        self._n_heads = lt.n_heads  # the old name, read by engramdb.decode until it reads n_heads
         self.fast_steps = 0
         self.batched_pushes = 0
         self.reset()
@@ -116,7 +146,7 @@ class KeyStream:
             rows = self._step(int(arr.reshape(-1)[0]), dead, self._ids, self._bar)
             self.position += 1
             self.fast_steps += 1
-            return rows.reshape((*arr.shape, self._n_heads))
+            return rows.reshape((*arr.shape, self.n_heads))
         return self._batched(arr, mask)
 
     def _batched(self, arr: np.ndarray, mask: Any) -> np.ndarray:
@@ -134,7 +164,7 @@ class KeyStream:
             if m.shape != arr.shape:
                 raise ShapeMismatch(f"mask shape {m.shape} differs from token_ids {arr.shape}")
             mask2 = m.reshape(arr2.shape)
-        rows, new_ids, new_bar = self._h._stream_rows(
+        rows, new_ids, new_bar = self._h.stream_rows(
             self._lt, arr2, mask2, self.compressed, self.strict, self.local, hist_ids, hist_bar
         )
         if self._np_ids is None:
@@ -144,7 +174,7 @@ class KeyStream:
             self._np_ids, self._np_bar = new_ids, new_bar
         self.position += arr.shape[-1]
         self.batched_pushes += 1
-        return rows.reshape((*arr.shape, self._n_heads))
+        return rows.reshape((*arr.shape, self.n_heads))
 
 
 def _scalar_mask(mask: Any) -> bool:

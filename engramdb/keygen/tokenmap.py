@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from engramdb._durable import atomic_write_bytes
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptFile,
@@ -30,8 +31,7 @@ from engramdb.errors import (
     MissingDependency,
     ShapeMismatch,
 )
-from engramdb.keygen._core import check_range, to_int64
-from engramdb.keygen._files import atomic_write_bytes
+from engramdb.keygen._tables import check_range, to_int64
 
 SENTINEL = "\ue000"  # private-use char standing in for a whitespace-only token during Strip
 FORMAT = "engramdb-token-map"
