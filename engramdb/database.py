@@ -18,7 +18,9 @@ from engramdb.errors import (
 )
 from engramdb.io import BACKENDS
 from engramdb.layouts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from engramdb.store import Store, open_shards
+from engramdb.read.table import open_shards
+from engramdb.store import Store
+from engramdb.stream import stream as _stream
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -111,9 +113,7 @@ class Database:
     ) -> Iterator[tuple[Any, Any]]:
         """Stream ``(token_ids, e_t)`` batches of ``corpus`` from ``table``, read ahead in a
         background thread: see `engramdb.stream.stream` for the options."""
-        from engramdb.stream import stream
-
-        return stream(self, corpus, preset=preset, table=table, **options)
+        return _stream(self, corpus, preset=preset, table=table, **options)
 
     def info(self) -> dict[str, Any]:
         """The manifest as a plain dict plus per-table sizes (no I/O beyond open)."""
