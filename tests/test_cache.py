@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engramdb.read.cache import RowCache
 from engramdb.errors import InvalidArgument
+from engramdb.read.cache import RowCache
 
 N_ROWS, ROW = 500, 12
 TABLE = np.random.default_rng(5).integers(0, 256, (N_ROWS, ROW), dtype=np.uint8)
