@@ -16,7 +16,7 @@ import pytest
 
 import engramdb
 from engramdb.errors import ReadError, RowIdOutOfRange, StoreClosed
-from engramdb.io.residency import drop_mapped_pages, evict, resident_pages
+from engramdb.testing.pages import drop_mapped_pages, evict, resident_pages
 
 ROW = 160
 
