@@ -10,22 +10,23 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import engramdb
 from engramdb.errors import ReadError, RowIdOutOfRange, StoreClosed
+from engramdb.testing.dbs import TableSpec
 from engramdb.testing.pages import drop_mapped_pages, evict, resident_pages
 
 ROW = 160
 
 
 @pytest.fixture
-def table(tmp_path: Path, rng: np.random.Generator) -> tuple[Path, np.ndarray]:
-    full = rng.integers(0, 256, (20_000, ROW), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", ROW, [full[:7000], full[7000:]], rows_per_badge=128)
-    return tmp_path, full
+def table(db_factory: Any) -> tuple[Path, np.ndarray]:
+    path, rows = db_factory({"t": TableSpec(ROW, (20_000,), rows_per_badge=128)})
+    return path, rows["t"]
 
 
 @pytest.mark.parametrize("ram_budget", [None, "1M"])

@@ -12,6 +12,7 @@ import engramdb
 from engramdb import keygen
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
 from engramdb.stream import stream
+from engramdb.testing.dbs import TableSpec, make_db
 
 EOS = 248_044
 VOCAB = 248_320
@@ -20,10 +21,9 @@ VOCAB = 248_320
 @pytest.fixture
 def db_and_table(tmp_path: Path) -> tuple[Path, keygen.Hasher, np.ndarray]:
     h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
-    rows = h.table_rows(2)
-    full = np.random.default_rng(7).integers(0, 256, (rows, 160), dtype=np.uint8)
-    engramdb.build(tmp_path / "db", "ple", 160, [full], rows_per_badge=128)
-    return tmp_path / "db", h, full
+    spec = TableSpec(160, (h.table_rows(2),), rows_per_badge=128)
+    path, rows = make_db(tmp_path, {"ple": spec})
+    return path, h, rows["ple"]
 
 
 def corpus(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
