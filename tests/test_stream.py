@@ -13,6 +13,7 @@ from engramdb import keygen
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
 from engramdb.stream import stream
 from engramdb.testing.dbs import TableSpec, make_db
+from engramdb.testing.tables import MemoryTable
 
 EOS = 248_044
 VOCAB = 248_320
@@ -153,3 +154,18 @@ def test_a_store_p_view_serves_the_same_rows(
             assert st["hits"] > 0 and st["misses"] > 0, st  # view hits, Store-I misses
         by_name = collect(db.stream(seq, preset=h, table="ple", batch_tokens=700, view="v"))[1]
         assert np.array_equal(np.concatenate(by_name), full[h.row_ids(seq, layer=2)])
+
+
+def test_stream_reads_any_row_table(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    """A table that is not local (here in memory) streams through `RowTable.gather`."""
+    _, h, full = db_and_table
+    seq = corpus(rng, (2500,))
+    table = MemoryTable(full, name="ple")
+    toks, es = collect(engramdb.stream(table, seq, preset=h, batch_tokens=700))
+    assert np.array_equal(np.concatenate(toks), seq)
+    assert np.array_equal(np.concatenate(es), full[h.row_ids(seq, layer=2)])
+    assert table.gathers == len(toks)
+    with pytest.raises(InvalidArgument, match="no views"):
+        engramdb.stream(table, seq, preset=h, view="v")

@@ -15,6 +15,7 @@ from engramdb.io import IoUringBackend
 from engramdb.read.table import LocalTable
 from engramdb.testing import TableContract
 from engramdb.testing.dbs import TableSpec, make_db
+from engramdb.testing.tables import MemoryTable
 
 HEADS = (3000, 5000)
 # 128-row badges and 1024-row shards: the 8,000-row table spans 8 shards.
@@ -73,4 +74,14 @@ class TestLocalTable(TableContract):
         db, rows = built
         info = read_manifest(db).tables["t"]
         with LocalTable(db, info) as t:
+            yield t, rows, HEADS
+
+
+class TestMemoryTable(TableContract):
+    """The contract holds for a handle written only against `RowTable` (no local engine)."""
+
+    @pytest.fixture
+    def table(self, built: tuple[Path, Any]) -> Iterator[tuple[Any, Any, tuple[int, ...]]]:
+        _, rows = built
+        with MemoryTable(rows, HEADS) as t:
             yield t, rows, HEADS

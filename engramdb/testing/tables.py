@@ -35,9 +35,9 @@ from engramdb.errors import (
     ShapeMismatch,
     StoreClosed,
 )
-from engramdb.table_api import RowTable
+from engramdb.table_api import RowTable, TableSchema
 
-__all__ = ["TableContract"]
+__all__ = ["MemoryTable", "TableContract"]
 
 Case = tuple[Any, np.ndarray, Sequence[int]]
 
@@ -50,6 +50,33 @@ def _offsets(heads: Sequence[int]) -> np.ndarray:
 def _local_ids(rng: np.random.Generator, heads: Sequence[int], shape: tuple[int, int]) -> Any:
     cols = [rng.integers(0, int(n), shape) for n in heads]
     return np.ascontiguousarray(np.stack(cols, axis=-1).astype(np.int64))
+
+
+class MemoryTable(RowTable):
+    """A `RowTable` over rows in memory: the smallest handle that is not a local table, for
+    tests of workloads (`engramdb.stream`, `Decoder`) on any `RowTable`. Counts `gather`
+    calls in ``gathers``."""
+
+    def __init__(self, rows: np.ndarray, heads: Sequence[int] | None = None, name: str = "mem"):
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        heads = (rows.shape[0],) if heads is None else tuple(int(h) for h in heads)
+        RowTable.__init__(self, TableSchema(name, int(rows.shape[1]), int(rows.shape[0]), heads))
+        self._rows: np.ndarray | None = rows
+        self.gathers = 0
+
+    def gather(self, flat: np.ndarray, out2d: np.ndarray) -> None:
+        rows = self._rows
+        if rows is None:
+            raise StoreClosed(self._closed_message())
+        np.take(rows, flat, axis=0, out=out2d)
+        self.gathers += 1
+
+    @property
+    def closed(self) -> bool:
+        return self._rows is None
+
+    def close(self) -> None:
+        self._rows = None
 
 
 class TableContract:
