@@ -161,7 +161,7 @@ class ShardMapping:
         if nbytes == 0:
             return np.zeros((n_rows, row_bytes), dtype=np.uint8)
         buf = (ctypes.c_uint8 * nbytes).from_address(self.address)
-        arr = np.frombuffer(buf, dtype=np.uint8).reshape(n_rows, row_bytes)
+        arr = np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(n_rows, row_bytes)
         arr.flags.writeable = False
         return arr
 
