@@ -17,6 +17,7 @@ from engramdb.errors import (
 )
 from engramdb.io import BACKENDS
 from engramdb.store import Store
+from engramdb.stream import stream as _stream
 
 
 class Database:
@@ -94,9 +95,7 @@ class Database:
     ) -> Iterator[tuple[Any, Any]]:
         """Stream ``(token_ids, e_t)`` batches of ``corpus`` from ``table``, read ahead in a
         background thread: see `engramdb.stream.stream` for the options."""
-        from engramdb.stream import stream
-
-        return stream(self, corpus, preset=preset, table=table, **options)
+        return _stream(self, corpus, preset=preset, table=table, **options)
 
     def info(self) -> dict[str, Any]:
         """The manifest as a plain dict plus per-table sizes (no I/O beyond open)."""

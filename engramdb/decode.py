@@ -14,7 +14,9 @@ buffer, waiting only for reads still in flight::
         dec.fill(out)                # [B, H, row_bytes]
 
 Several layers (DeepSeek Engram: a table per layer) use a `{layer: store}` mapping and fill
-``[B, L, H, row_bytes]``.
+``[B, L, H, row_bytes]``. Any `RowTable` works (a `RemoteStore`, a `MooncakeTable`): tables
+that are not local (`engramdb.read.table.LocalTable`) have no prefetcher, so their rows are
+read at `fill` through `RowTable.gather`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument, ShapeMismatch
-from engramdb.prefetch import QUEUED, Ticket
-from engramdb.store import Store
+from engramdb.keygen import preset as keygen_preset
+from engramdb.read.prefetch import QUEUED, Ticket
+from engramdb.read.table import LocalTable
+from engramdb.table_api import RowTable
 from engramdb.validate import check_output
 
 
@@ -34,13 +38,14 @@ class Decoder:
     """Row lookups for one sequence or a fixed batch of sequences, one token per step.
 
     ``stores``: a `Store` (one layer) or ``{layer: Store}`` (several layers, filled in the
-    mapping's order). ``preset``: a keygen preset name or `Hasher`. ``layer``: the layer of a
+    mapping's order); any `RowTable` serves. ``preset``: a keygen preset name or `Hasher`. ``layer``: the layer of a
     single store when the hasher has several. ``batch``: ``None`` for one sequence (push a
     scalar token, fill ``[H, row_bytes]``) or ``B`` (push ``[B]`` tokens, fill
     ``[B, H, row_bytes]``, or ``[B, L, H, row_bytes]`` with several layers). ``prefetch``:
     ``"auto"`` (default) starts background reads at `push` unless the table is served from
     resident memory (the store's read rule is in its mapped state: a thread hand-off would
-    cost more than the gather); ``True`` always, ``False`` never (read at `fill`).
+    cost more than the gather); ``True`` always, ``False`` never (read at `fill`). Tables
+    that are not local are read at `fill` (``prefetch=True`` refuses them).
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
@@ -48,24 +53,22 @@ class Decoder:
 
     def __init__(
         self,
-        stores: Store | Mapping[int, Store],
+        stores: RowTable | Mapping[int, RowTable],
         preset: Any,
         *,
         layer: int | None = None,
         batch: int | None = None,
         prefetch: bool | str = "auto",
     ):
-        from engramdb import keygen
-
-        h = keygen.preset(preset) if isinstance(preset, str) else preset
-        if isinstance(stores, Store):
+        h = keygen_preset(preset) if isinstance(preset, str) else preset
+        if isinstance(stores, RowTable):
             if layer is None:
                 if len(h.layers) != 1:
                     raise InvalidArgument(
                         f"the hasher has layers {list(h.layers)}: pass layer= for one store"
                     )
                 layer = int(h.layers[0])
-            pairs: Sequence[tuple[int, Store]] = [(int(layer), stores)]
+            pairs: Sequence[tuple[int, RowTable]] = [(int(layer), stores)]
         else:
             if layer is not None:
                 raise InvalidArgument("layer= applies to a single store; the mapping names them")
@@ -81,6 +84,12 @@ class Decoder:
         if prefetch not in (True, False, "auto"):
             raise InvalidArgument(f"prefetch must be True, False or 'auto', got {prefetch!r}")
         self.prefetch = prefetch
+        # Local tables get the trusted read API and a prefetcher; others are read at fill.
+        self._local: list[LocalTable | None] = [
+            s if isinstance(s, LocalTable) else None for s in self.stores
+        ]
+        if prefetch is True and None in self._local:
+            raise InvalidArgument("prefetch=True needs local tables (a Store): read at fill()")
         self.prefetched = 0  # steps (per layer) that submitted a background read
         row_bytes = {s.row_bytes for s in self.stores}
         if len(row_bytes) != 1:
@@ -96,8 +105,10 @@ class Decoder:
                     f"addresses {need:,}"
                 )
         self._streams = [h.stream(layer=lay) for lay in self.layers]
-        self.n_heads = int(self._streams[0]._n_heads)
-        if any(st._n_heads != self.n_heads for st in self._streams):
+        zero = np.zeros(1, np.int64)
+        heads = [int(h.row_ids(zero, layer=lay).shape[-1]) for lay in self.layers]
+        self.n_heads = heads[0]
+        if any(n != self.n_heads for n in heads):
             raise InvalidArgument("the layers have different head counts")
         self._rows: list[np.ndarray] | None = None
         self._tickets: list[Ticket | None] = [None] * len(self.stores)
@@ -145,9 +156,12 @@ class Decoder:
             old = self._tickets[i]
             if old is not None and old.state == QUEUED:
                 old.cancel()
-            store = self.stores[i]
-            want = self.prefetch is True or (self.prefetch == "auto" and not store._mapped_state())
+            store = self._local[i]
+            want = store is not None and (
+                self.prefetch is True or (self.prefetch == "auto" and not store.mapped_state())
+            )
             if want:
+                assert store is not None
                 self._tickets[i] = store.prefetcher.submit_trusted(r.reshape(-1))
                 self.prefetched += 1
             else:
@@ -168,9 +182,9 @@ class Decoder:
         old = tickets[0]
         if old is not None and old.state == QUEUED:
             old.cancel()
-        store = self.stores[0]
+        store = self._local[0]
         pf = self.prefetch
-        if pf is True or (pf == "auto" and not store._mapped_state()):
+        if store is not None and (pf is True or (pf == "auto" and not store.mapped_state())):
             tickets[0] = store.prefetcher.submit_trusted(r)
             self.prefetched += 1
         else:
@@ -185,20 +199,23 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
-        store = self.stores[0]
+        store = self._local[0]
+        if store is None:
+            self.stores[0].gather(r, out2d)
+            return out
         t = self._tickets[0]
         if t is None:
-            store._gather_small(r, out2d)
+            store.gather_small(r, out2d)
             return out
         self._tickets[0] = None
         if t.cancel():  # still queued: read here
-            store._gather_small(r, out2d)
+            store.gather_small(r, out2d)
         else:
             t.wait()  # raises a failed prefetch's error
             if store.prefetcher.target == "page_cache":
-                store._gather_resident(r, out2d)
+                store.gather_resident(r, out2d)
             else:
-                store._gather_small(r, out2d)
+                store.gather_small(r, out2d)
         return out
 
     def fill(self, out: np.ndarray) -> np.ndarray:
@@ -217,7 +234,8 @@ class Decoder:
         else:
             o = out.reshape(-1, n_layers, self.n_heads * self.row_bytes)
             views = [o[:, i] for i in range(n_layers)]
-        for i, store in enumerate(self.stores):
+        for i, table in enumerate(self.stores):
+            store = self._local[i]
             t = self._tickets[i]
             resident = False
             if t is not None:
@@ -226,16 +244,24 @@ class Decoder:
                     t.wait()
                     # Read into the page cache with page-table entries installed: gather from
                     # the mapping (the store's cold rule might re-read them O_DIRECT).
+                    assert store is not None
                     resident = store.prefetcher.target == "page_cache"
             v = views[i]
             flat = rows[i].reshape(-1)
-            if resident and v.flags.c_contiguous:
-                store._gather_resident(flat, v.reshape(-1, self.row_bytes))
+            if store is None:  # not a local table: its own read path
+                if v.flags.c_contiguous:
+                    table.gather(flat, v.reshape(-1, self.row_bytes))
+                else:
+                    tmp = np.empty((flat.size, self.row_bytes), dtype=np.uint8)
+                    table.gather(flat, tmp)
+                    v[...] = tmp.reshape(v.shape)
+            elif resident and v.flags.c_contiguous:
+                store.gather_resident(flat, v.reshape(-1, self.row_bytes))
             elif v.flags.c_contiguous:
-                store._gather_small(flat, v.reshape(-1, self.row_bytes))
+                store.gather_small(flat, v.reshape(-1, self.row_bytes))
             else:  # several layers and sequences: layer i's rows are strided in `out`
-                tmp = store._scratch_bytes("decode", flat.size * self.row_bytes)
-                store._gather(flat, tmp.reshape(-1, self.row_bytes))
+                tmp = store.scratch("decode", flat.size * self.row_bytes)
+                store.gather(flat, tmp.reshape(-1, self.row_bytes))
                 v[...] = tmp.reshape(v.shape)
         return out
 

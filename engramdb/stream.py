@@ -5,7 +5,9 @@ turn, compute every position's row ids (keygen, vectorised) and gather the rows 
 store's normal read path, so cold batches go to the device sorted and deduplicated (access
 order) — into a ring of reused output buffers, up to ``depth`` batches ahead of the consumer,
 which receives them in corpus order. With a Store-P
-view (``view=``), each position is one record read instead of ``H`` scattered rows.
+view (``view=``), each position is one record read instead of ``H`` scattered rows. Any
+`RowTable` can be the source (a `RemoteStore`, a `MooncakeTable`): a table that is not local
+is read through its own `RowTable.gather`.
 
 ::
 
@@ -27,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument, SourceError
-from engramdb.store import Store
+from engramdb.keygen import preset as keygen_preset
+from engramdb.read.table import LocalTable
+from engramdb.table_api import RowTable
 
 _DONE = object()
 
@@ -167,8 +171,8 @@ def stream(
     """Yield ``(token_ids, e_t)`` for every position of ``corpus``, read ``depth`` batches
     ahead by a background thread.
 
-    ``source``: a `Database` (``table=`` names the table; optional with one table) or a
-    `Store`. ``corpus``: a token file / directory (as ``engramdb index`` reads), a ``[T]``
+    ``source``: a `Database` (``table=`` names the table; optional with one table), a
+    `Store`, or any other `RowTable`. ``corpus``: a token file / directory (as ``engramdb index`` reads), a ``[T]``
     array (one sequence), ``[S, T]`` (S fresh sequences) or an iterable of such arrays.
     ``preset``: keygen preset name or `Hasher`; ``layer`` when it has several. A sequence
     longer than ``batch_tokens`` comes in chunks (ids exactly as one pass over it);
@@ -177,14 +181,12 @@ def stream(
     ``H`` x ``row_bytes``. ``workers`` threads each take whole batches (keygen and gather);
     errors are raised here, at the batch they hit.
     """
-    from engramdb import keygen
-
     if batch_tokens < 1 or depth < 1 or workers < 1:
         raise InvalidArgument(
             f"batch_tokens, depth and workers must be >= 1: {batch_tokens}, {depth}, {workers}"
         )
     store = _resolve_store(source, table)
-    h = keygen.preset(preset) if isinstance(preset, str) else preset
+    h = keygen_preset(preset) if isinstance(preset, str) else preset
     if layer is None:
         if len(h.layers) != 1:
             raise InvalidArgument(f"the hasher has layers {list(h.layers)}: pass layer=")
@@ -201,9 +203,14 @@ def stream(
     ring = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(depth + 2)]
     serial = workers > 1  # the workers are the parallelism: don't split a gather further
     if isinstance(view, str):
-        view = store.view(view, hasher=h)
+        open_view = getattr(store, "view", None)
+        if open_view is None:
+            raise InvalidArgument(f"table {store.name!r} has no views: pass a View object")
+        view = open_view(view, hasher=h)
     if view is not None and getattr(view, "record_bytes", n_heads * rb) != n_heads * rb:
         raise InvalidArgument(f"view records are {view.record_bytes} B, not {n_heads} x {rb} B")
+
+    local = store if isinstance(store, LocalTable) else None
 
     def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
         buf = ring[i % len(ring)]
@@ -213,7 +220,10 @@ def stream(
             view.lookup(h.keys(tokens), e.reshape(tokens.shape + (n_heads * rb,)))
         else:
             rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
-            store._gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
+            if local is not None:
+                local.gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
+            else:
+                store.gather(rows.reshape(-1), e.reshape(-1, rb))
         if skip:
             return tokens[skip:], e[skip:]
         return tokens, e
@@ -239,8 +249,8 @@ def _consume(
         pool.close()
 
 
-def _resolve_store(source: Any, table: str | None) -> Store:
-    if isinstance(source, Store):
+def _resolve_store(source: Any, table: str | None) -> RowTable:
+    if isinstance(source, RowTable):
         if table is not None and table != source.name:
             raise InvalidArgument(f"table={table!r} but the store is {source.name!r}")
         return source

@@ -68,7 +68,10 @@ class TableSchema:
     def of(cls, info: Any) -> TableSchema:
         """The schema of anything with ``name``, ``row_bytes``, ``n_rows``, ``heads``
         (a manifest `TableInfo`, a server's table listing as a dict, …)."""
-        get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
+
+        def get(key: str, default: Any = None) -> Any:
+            return info.get(key, default) if isinstance(info, dict) else getattr(info, key, default)
+
         heads = get("heads")
         heads = tuple(int(h) for h in np.asarray(heads, dtype=np.int64).reshape(-1))
         dim = get("dim", None)

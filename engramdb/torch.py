@@ -16,7 +16,7 @@ import numpy as np
 
 from engramdb.errors import InvalidDtype, MissingDependency
 from engramdb.rowcodec import RowCodec, codec_for
-from engramdb.store import Store
+from engramdb.table_api import RowTable
 
 try:
     import torch
@@ -79,7 +79,7 @@ class _DiskTable(nn.Module):
 
     def __init__(
         self,
-        store: Store,
+        store: RowTable,
         *,
         out_dtype: torch.dtype | None = None,
         scale: float | None = None,
@@ -102,7 +102,7 @@ class DiskEmbedding(_DiskTable):
 
     def __init__(
         self,
-        store: Store,
+        store: RowTable,
         *,
         out_dtype: torch.dtype | None = None,
         scale: float | None = None,
@@ -149,7 +149,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
 
     def __init__(
         self,
-        store: Store,
+        store: RowTable,
         *,
         out_dtype: torch.dtype | None = None,
         scale: float | None = None,

@@ -60,8 +60,9 @@ def check_bounds(
     )
 
 
-def check_output(out: Any, shape: tuple[int, ...], *, name: str = "out") -> np.ndarray:
-    """``out`` must be a writable, C-contiguous uint8 ndarray of exactly ``shape``."""
+def check_output(out: Any, shape: tuple[int, ...] | None, *, name: str = "out") -> np.ndarray:
+    """``out`` must be a writable, C-contiguous uint8 ndarray of exactly ``shape`` (any shape
+    when ``shape`` is None: a backend's flat destination buffer)."""
     if not isinstance(out, np.ndarray):
         raise InvalidDtype(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != np.uint8:
@@ -70,7 +71,7 @@ def check_output(out: Any, shape: tuple[int, ...], *, name: str = "out") -> np.n
         raise InvalidLayout(f"{name} must be C-contiguous")
     if not out.flags.writeable:
         raise InvalidLayout(f"{name} must be writable")
-    if out.shape != shape:
+    if shape is not None and out.shape != shape:
         raise ShapeMismatch(f"{name} has shape {out.shape}, expected {shape}")
     return out
 

@@ -50,7 +50,9 @@ from engramdb.io import (  # noqa: E402
     make_backend,
 )
 from engramdb.io.gather import take_rows  # noqa: E402
-from engramdb.io.residency import (  # noqa: E402
+from engramdb.io.uring import DISABLE_ENV  # noqa: E402
+from engramdb.read.plan import Geometry, assemble, locate, plan_reads  # noqa: E402
+from engramdb.testing.pages import (  # noqa: E402
     advise_random,
     drop_mapped_pages,
     evict,
@@ -58,8 +60,7 @@ from engramdb.io.residency import (  # noqa: E402
     mapped_residency,
     populate,
 )
-from engramdb.io.uring import DISABLE_ENV  # noqa: E402
-from engramdb.plan import Geometry, assemble, locate, plan_reads, validate_row_ids  # noqa: E402
+from engramdb.validate import as_rowids, check_bounds  # noqa: E402
 
 K = np.uint64(0x9E3779B97F4A7C15)
 BATCH = 16_384
@@ -122,6 +123,12 @@ class Table:
         self.scratch.fill(0)  # prefault once: fresh allocations are expensive here
         self.unique_rows = 0  # rows the last planned batch actually read (after dedupe)
 
+    def checked(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` as int64, bounds-checked (what a Store does before reading)."""
+        flat = as_rowids(ids)
+        check_bounds(flat.reshape(-1), self.n_rows, shape=flat.shape)
+        return flat
+
     def via_plan(self, backend: Backend, ids: np.ndarray, out: np.ndarray) -> None:
         plan = plan_reads(ids, self.geometry)
         self.unique_rows = plan.n_unique
@@ -129,17 +136,17 @@ class Table:
         assemble(plan, self.scratch, out)
 
     def via_mapping(self, ids: np.ndarray, out: np.ndarray) -> None:
-        flat = validate_row_ids(ids, self.n_rows)
+        flat = self.checked(ids)
         take_rows(self.table2d, flat, out.reshape(-1, self.row_bytes))
 
     def via_mmap_backend(self, backend: Backend, ids: np.ndarray, out: np.ndarray) -> None:
-        flat = validate_row_ids(ids, self.n_rows)
+        flat = self.checked(ids)
         rb = self.row_bytes
         backend.read(self.fd, flat * rb, rb, out, np.arange(flat.shape[0], dtype=np.int64) * rb)
 
     def via_auto(self, auto: Backend, ids: np.ndarray, out: np.ndarray) -> None:
         """The wiring proposed for Store: choose on a located sample, then plan or gather."""
-        flat = validate_row_ids(ids, self.n_rows)
+        flat = self.checked(ids)
         sample = flat[:: max(1, flat.shape[0] // 16)]
         shard, off = locate(sample, self.geometry)
         chosen = auto.choose(self.fds[shard], off, self.row_bytes, batch_rows=flat.shape[0])

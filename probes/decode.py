@@ -44,7 +44,7 @@ from workload_tables import (  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb.decode import Decoder  # noqa: E402
-from engramdb.io.residency import drop_mapped_pages  # noqa: E402
+from engramdb.testing.pages import drop_mapped_pages  # noqa: E402
 
 
 def pct(xs: np.ndarray, q: float) -> float:
@@ -114,7 +114,7 @@ def main() -> None:
                 ts[i] = pc() - t0
             return ts
 
-        mm = np.memmap(s._db / s.info.shards[0].path, dtype=np.uint8, mode="r")
+        mm = np.memmap(s.db_path / s.info.shards[0].path, dtype=np.uint8, mode="r")
         npt = mm[: s.n_rows * 160].reshape(s.n_rows, 160)
         np.take(npt, np.arange(0, s.n_rows, 256), axis=0)  # touch: page tables like ours
 

@@ -39,7 +39,7 @@ from workload_tables import (  # noqa: E402
 )
 
 import engramdb  # noqa: E402
-from engramdb.io.residency import drop_mapped_pages  # noqa: E402
+from engramdb.testing.pages import drop_mapped_pages  # noqa: E402
 
 
 def main() -> None:
@@ -104,7 +104,7 @@ def main() -> None:
                     time.sleep(consumer_s)
             return toks.size / (time.perf_counter() - t0)
 
-        mm = np.memmap(s._db / s.info.shards[0].path, dtype=np.uint8, mode="r")
+        mm = np.memmap(s.db_path / s.info.shards[0].path, dtype=np.uint8, mode="r")
         npt = mm[: s.n_rows * 160].reshape(s.n_rows, 160)
 
         def arm_numpy(toks: np.ndarray) -> float:

@@ -36,7 +36,7 @@ from common import median, vm_hwm_mb, write_json  # noqa: E402
 from workload_tables import build_table, hasher_for_bytes, make_cold, residency  # noqa: E402
 
 import engramdb  # noqa: E402
-from engramdb.io.residency import drop_mapped_pages  # noqa: E402
+from engramdb.testing.pages import drop_mapped_pages  # noqa: E402
 
 
 def zipf_ids(rng: np.random.Generator, a: float, perm: np.ndarray, n: int) -> np.ndarray:
@@ -93,7 +93,7 @@ def main() -> None:
                 with engramdb.open(db_path, ram_budget=budget) as db:
                     s = db["ple"]
                     assert s.cache is not None
-                    drop_mapped_pages(s0._array())
+                    drop_mapped_pages(s0.array())
                     left = make_cold(s)  # the tier matters when reads go to the device
                     if left > 0.01:
                         raise SystemExit(f"eviction failed: {left:.1%} resident")
@@ -170,7 +170,7 @@ def main() -> None:
                         cb = args.cold_batches
                         batches = batches[r * cb : (r + 1) * cb]
                     if cold:  # both stores map the file: drop both mappings first
-                        drop_mapped_pages(s0._array())
+                        drop_mapped_pages(s0.array())
                         left = make_cold(st)
                         if left > 0.01:
                             raise SystemExit(f"eviction failed: {left:.1%} resident")

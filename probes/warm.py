@@ -33,7 +33,7 @@ from common import median, vm_hwm_mb, write_json  # noqa: E402
 from workload_tables import build_table, hasher_for_bytes, make_cold, shard_paths  # noqa: E402
 
 import engramdb  # noqa: E402
-from engramdb.io.residency import evict, file_residency  # noqa: E402
+from engramdb.testing.pages import evict, file_residency  # noqa: E402
 from engramdb.warm import warm_tables  # noqa: E402
 
 

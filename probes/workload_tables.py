@@ -15,7 +15,7 @@ import numpy as np
 
 import engramdb
 from engramdb import keygen
-from engramdb.io.residency import drop_mapped_pages, evict, file_residency
+from engramdb.testing.pages import drop_mapped_pages, evict, file_residency
 
 PRESET = "qwen3.8-flash-next"
 LAYER = 2
@@ -59,13 +59,13 @@ def build_table(work: Path, h: keygen.Hasher, name: str = "ple", seed: int = 1) 
 
 
 def shard_paths(store: engramdb.Store) -> list[Path]:
-    return [store._db / s.path for s in store.info.shards]
+    return [store.db_path / s.path for s in store.info.shards]
 
 
 def make_cold(store: engramdb.Store) -> float:
     """Drop the store's own page-table entries, evict its files; returns the residency left
     (mincore over the files)."""
-    drop_mapped_pages(store._array())
+    drop_mapped_pages(store.array())
     left = [evict(p) for p in shard_paths(store)]
     return float(np.mean(left))
 

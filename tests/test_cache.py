@@ -10,15 +10,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engramdb.cache import RowCache
 from engramdb.errors import InvalidArgument
+from engramdb.read.cache import RowCache
 
 N_ROWS, ROW = 500, 12
 TABLE = np.random.default_rng(5).integers(0, 256, (N_ROWS, ROW), dtype=np.uint8)
 
 
 def budget_for(slots: int, n_rows: int = N_ROWS, row: int = ROW) -> int:
-    budget = RowCache.budget_for(slots, row, n_rows)
+    """A byte budget that gives at least ``slots`` slots (the sizing rule inverted: rows +
+    9 B slot metadata, a power-of-two index of 12 B entries, the presence bitmap)."""
+    size = 1 << max(4, int(np.ceil(np.log2(max(8, 2 * slots)))))
+    budget = slots * (row + 9) + size * 12 + n_rows // 8 + 1
     assert RowCache(row, budget, n_rows).slots >= slots
     return budget
 

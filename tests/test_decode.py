@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import engramdb
 from engramdb import keygen
 from engramdb.decode import Decoder
 from engramdb.errors import InvalidArgument, ReadError, ShapeMismatch
+from engramdb.testing.tables import MemoryTable
 
 EOS = 248_044
 VOCAB = 248_320
@@ -125,9 +127,10 @@ def test_a_failed_prefetch_raises_at_fill(tmp_path: Path, monkeypatch: pytest.Mo
         monkeypatch.setattr(s.prefetcher, "_read", broken)
         dec = Decoder(s, h, prefetch=True)
         dec.push(9707)
-        t = dec._tickets[0]
-        assert t is not None
-        t._event.wait(5)
+        assert dec.prefetched == 1, "the step submitted a background read"
+        deadline = time.monotonic() + 5
+        while s.prefetcher.stats.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         with pytest.raises(ReadError, match="injected"):
             dec.fill(np.empty(dec.out_shape, np.uint8))
 
@@ -155,7 +158,7 @@ def test_auto_prefetch_follows_the_read_rule(tmp_path: Path, rng: np.random.Gene
         # again, so which steps are resident is not fixed; the coupling is.)
         quiet = 0
         for t in toks[1:]:
-            mapped = s._mapped_state()
+            mapped = s.mapped_state()
             before = dec.prefetched
             dec.push(int(t))
             assert (dec.prefetched > before) == (not mapped), "prefetch follows the read rule"
@@ -165,3 +168,36 @@ def test_auto_prefetch_follows_the_read_rule(tmp_path: Path, rng: np.random.Gene
                 time.sleep(0.001)
         assert quiet >= 1, "resident steps make no thread hand-off"
         assert s.stats()["small_gathers"] > 0
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_decoder_reads_any_row_table(
+    tmp_path: Path, rng: np.random.Generator, batch: int | None
+) -> None:
+    """Tables that are not local have no prefetcher: their rows are read at fill."""
+    h = small_qwen()
+    full = np.random.default_rng(9).integers(0, 256, (h.table_rows(2), 160), dtype=np.uint8)
+    table = MemoryTable(full, name="ple")
+    toks = tokens(rng, (3, 40))
+    expect = full[h.row_ids(toks, layer=2)]  # [B, T, 16, 160]
+    dec = Decoder(table, h, batch=batch)
+    out = np.empty(dec.out_shape, np.uint8)
+    for t in range(toks.shape[1]):
+        dec.push(int(toks[0, t]) if batch is None else toks[:, t])
+        dec.fill(out)
+        assert np.array_equal(out, expect[0, t] if batch is None else expect[:, t]), f"step {t}"
+    assert dec.prefetched == 0
+    h2 = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {
+        lay: np.random.default_rng(lay).integers(0, 256, (h2.table_rows(lay), 160), np.uint8)
+        for lay in (2, 5)
+    }
+    several = Decoder({lay: MemoryTable(f) for lay, f in fulls.items()}, h2, batch=3)
+    out = np.empty(several.out_shape, np.uint8)  # [B, L, H, rb]: strided per layer
+    for t in range(5):
+        several.push(toks[:, t])
+        several.fill(out)
+        for i, lay in enumerate((2, 5)):
+            assert np.array_equal(out[:, i], fulls[lay][h2.row_ids(toks, layer=lay)][:, t])
+    with pytest.raises(InvalidArgument, match="local"):
+        Decoder(table, h, prefetch=True)

@@ -25,14 +25,14 @@ from engramdb.io import (
     direct_pays,
     make_backend,
 )
-from engramdb.io.residency import (
+from engramdb.testing import BackendContract, DataFile
+from engramdb.testing.pages import (
     advise_random,
     drop_mapped_pages,
     evict,
     file_residency,
     populate,
 )
-from engramdb.testing import BackendContract, DataFile
 
 URING_OK, URING_WHY = IoUringBackend.availability()
 needs_uring = pytest.mark.skipif(not URING_OK, reason=f"io_uring unavailable: {URING_WHY}")

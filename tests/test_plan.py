@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engramdb.errors import InvalidArgument, InvalidDtype, RowIdOutOfRange, ShapeMismatch
-from engramdb.plan import Geometry, ReadPlan, assemble, locate, plan_reads, validate_row_ids
+from engramdb.read.plan import Geometry, ReadPlan, assemble, locate, plan_reads
+from engramdb.validate import as_rowids
 
 
 def _shard_images(table: np.ndarray, g: Geometry) -> list[np.ndarray]:
@@ -22,7 +23,7 @@ def _shard_images(table: np.ndarray, g: Geometry) -> list[np.ndarray]:
     images = []
     for s in range(n_shards):
         sel = shard == s
-        size = int((offset[sel] + g.row_bytes).max()) if sel.any() else g.data_offset
+        size = int((offset[sel] + g.row_bytes).max()) if sel.any() else 0
         img = np.zeros(size, dtype=np.uint8)
         for o, row in zip(offset[sel].tolist(), table[sel], strict=True):
             img[o : o + g.row_bytes] = row
@@ -57,11 +58,7 @@ def cases(draw: st.DrawFn) -> Case:
     row_bytes = draw(st.sampled_from([1, 3, 8, 160, 264, 2560, 4096, 5000]))
     n_rows = draw(st.integers(1, 120))
     rows_per_shard = draw(st.integers(1, 50))
-    data_offset = draw(st.sampled_from([0, 0, 512, 4096]))
-    rows_per_page = None
-    if row_bytes <= 4096 and draw(st.booleans()):
-        rows_per_page = draw(st.integers(1, 4096 // row_bytes))
-    g = Geometry(n_rows, row_bytes, rows_per_shard, data_offset, rows_per_page)
+    g = Geometry(n_rows, row_bytes, rows_per_shard)
     seed = draw(st.integers(0, 2**32 - 1))
     table = np.random.default_rng(seed).integers(0, 256, (n_rows, row_bytes), dtype=np.uint8)
     ids = draw(st.lists(st.integers(0, n_rows - 1), min_size=0, max_size=60))
@@ -115,30 +112,35 @@ def test_plan_without_dedupe_keeps_caller_order(case: Case) -> None:
 @given(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=40), st.integers(1, 10**6))
 def test_validation_names_the_first_bad_id(ids: list[int], n_rows: int) -> None:
     arr = np.array(ids, dtype=np.int64)
+    g = Geometry(n_rows, 1, n_rows)
     bad = (arr < 0) | (arr >= n_rows)
     if not bad.any():
-        assert validate_row_ids(arr, n_rows) is arr
+        assert as_rowids(arr) is arr, "int64 ids are not copied"
+        assert plan_reads(arr, g).n_out == arr.size
         return
     first = int(np.flatnonzero(bad)[0])
     with pytest.raises(RowIdOutOfRange) as info:
-        validate_row_ids(arr, n_rows)
+        plan_reads(arr, g)
     assert f"row id {ids[first]} at position {first} " in str(info.value)
     assert isinstance(info.value, IndexError)
 
 
 def test_validation_dtypes_and_shapes() -> None:
-    assert validate_row_ids([], 5).dtype == np.int64
-    assert validate_row_ids(np.array([1, 2], dtype=np.uint16), 5).dtype == np.int64
+    g = Geometry(5, 1, 5)
+    assert as_rowids([]).dtype == np.int64
+    assert plan_reads([], g).n_out == 0
+    assert as_rowids(np.array([1, 2], dtype=np.uint16)).dtype == np.int64
+    assert plan_reads(np.array([1, 2], dtype=np.uint16), g).row_ids.dtype == np.int64
     with pytest.raises(InvalidDtype):
-        validate_row_ids(np.array([1.0]), 5)
+        plan_reads(np.array([1.0]), g)
     with pytest.raises(InvalidDtype):
-        validate_row_ids(np.array([True]), 5)
+        plan_reads(np.array([True]), g)
     with pytest.raises(InvalidDtype):
-        validate_row_ids(["a"], 5)
+        plan_reads(["a"], g)
     with pytest.raises(RowIdOutOfRange, match="2\\*\\*64|18446744073709551615"):
-        validate_row_ids(np.array([2**64 - 1], dtype=np.uint64), 5)
+        plan_reads(np.array([2**64 - 1], dtype=np.uint64), g)
     with pytest.raises(RowIdOutOfRange, match=r"position \(1, 0\)"):
-        validate_row_ids(np.array([[0, 1], [7, 0]]), 5)
+        plan_reads(np.array([[0, 1], [7, 0]]), g)
 
 
 def test_plan_keeps_the_request_shape() -> None:
@@ -166,7 +168,7 @@ def test_geometry_and_knob_validation() -> None:
     with pytest.raises(InvalidArgument):
         Geometry(n_rows=10, row_bytes=0, rows_per_shard=5)
     with pytest.raises(InvalidArgument):
-        Geometry(n_rows=10, row_bytes=3000, rows_per_shard=5, rows_per_page=2)
+        Geometry(n_rows=10, row_bytes=8, rows_per_shard=0)
     g = Geometry(n_rows=10, row_bytes=8, rows_per_shard=5)
     with pytest.raises(InvalidArgument):
         plan_reads([1], g, max_gap=-1)

@@ -10,22 +10,23 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import engramdb
 from engramdb.errors import ReadError, RowIdOutOfRange, StoreClosed
-from engramdb.io.residency import drop_mapped_pages, evict, resident_pages
+from engramdb.testing.dbs import TableSpec
+from engramdb.testing.pages import drop_mapped_pages, evict, resident_pages
 
 ROW = 160
 
 
 @pytest.fixture
-def table(tmp_path: Path, rng: np.random.Generator) -> tuple[Path, np.ndarray]:
-    full = rng.integers(0, 256, (20_000, ROW), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", ROW, [full[:7000], full[7000:]], rows_per_badge=128)
-    return tmp_path, full
+def table(db_factory: Any) -> tuple[Path, np.ndarray]:
+    path, rows = db_factory({"t": TableSpec(ROW, (20_000,), rows_per_badge=128)})
+    return path, rows["t"]
 
 
 @pytest.mark.parametrize("ram_budget", [None, "1M"])
@@ -56,7 +57,7 @@ def test_prefetch_fills_the_page_cache_of_a_cold_file(
     path, full = table
     with engramdb.open(path, backend="preadv") as db:
         s = db["t"]
-        table_view = s._array()
+        table_view = s.array()
         drop_mapped_pages(table_view)
         for sh in s.info.shards:
             evict(path / sh.path)
@@ -115,16 +116,15 @@ def test_a_fetch_waits_for_rows_in_flight(
     path, full = table
     with engramdb.open(path, ram_budget="1M") as db:
         s = db["t"]
-        pf = s.prefetcher
-        real = pf._read
+        real = s.read_below
         started = threading.Event()
 
-        def slow(ids: np.ndarray) -> int:
+        def slow(ids: np.ndarray, rows: np.ndarray, **kw: object) -> None:
             started.set()
             time.sleep(0.2)
-            return real(ids)
+            real(ids, rows, **kw)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(pf, "_read", slow)
+        monkeypatch.setattr(s, "read_below", slow)  # the background read below the tier
         t = s.prefetch([100, 200, 300])
         assert started.wait(5)
         t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def test_the_queue_is_bounded_and_cancellable(
     path, _ = table
     db = engramdb.open(path)
     s = db["t"]
-    from engramdb.prefetch import Prefetcher
+    from engramdb.read.prefetch import Prefetcher
 
     pf = Prefetcher(s, depth=3)
     gate = threading.Event()

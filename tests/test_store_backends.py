@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import engramdb
 from engramdb.errors import BackendUnavailable, InvalidArgument, ReadError, RowIdOutOfRange
+from engramdb.testing.dbs import SMALL_BADGE, TableSpec
 
 BACKENDS = ["auto", "mmap", "preadv", "io_uring"]
 
@@ -16,20 +18,15 @@ BACKENDS = ["auto", "mmap", "preadv", "io_uring"]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("row_bytes", [7, 160, 2560, 5000])
 def test_every_backend_returns_source_bytes(
-    tmp_path: Path, backend: str, row_bytes: int, rng: np.random.Generator
+    db_factory: Any, backend: str, row_bytes: int, rng: np.random.Generator
 ) -> None:
-    parts = [rng.integers(0, 256, (n, row_bytes), dtype=np.uint8) for n in (301, 517)]
-    full = np.concatenate(parts)
-    small_badge = {7: 4096, 160: 128, 2560: 8, 5000: 512}[row_bytes]
-    engramdb.build(
-        tmp_path,
-        "t",
-        row_bytes,
-        parts,
-        rows_per_badge=small_badge,
-        shard_bytes=small_badge * row_bytes,
+    small_badge = SMALL_BADGE[row_bytes]
+    spec = TableSpec(
+        row_bytes, (301, 517), rows_per_badge=small_badge, shard_bytes=small_badge * row_bytes
     )
-    with engramdb.open(tmp_path, backend=backend) as db:
+    path, rows = db_factory({"t": spec})
+    full = rows["t"]
+    with engramdb.open(path, backend=backend) as db:
         s = db["t"]
         ids = rng.integers(0, full.shape[0], 3000)
         ids[:5] = [0, full.shape[0] - 1, 300, 301, 300]  # ends, head boundary, duplicates
@@ -47,11 +44,8 @@ def test_every_backend_returns_source_bytes(
             assert s.stats()["io"]["requests"] > 0, "the syscall path served the reads"
 
 
-def test_truncated_under_a_live_store_is_a_read_error(
-    tmp_path: Path, rng: np.random.Generator
-) -> None:
-    full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", 160, [full])
+def test_truncated_under_a_live_store_is_a_read_error(db_factory: Any) -> None:
+    tmp_path, _ = db_factory({"t": (160, (4000,))})
     for backend in ("preadv", "io_uring"):
         db = engramdb.open(tmp_path, backend=backend)
         s = db["t"]

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engramdb
+from engramdb.testing.dbs import SMALL_BADGE, TableSpec, make_db
 
 ROW_SIZES = [1, 7, 160, 264, 2560, 4096, 5000]
-SMALL_BADGE = {1: 4096, 7: 4096, 160: 128, 264: 512, 2560: 8, 4096: 1, 5000: 512}
 
 
 @st.composite
@@ -29,18 +29,12 @@ def test_fetch_and_lookup_equal_source(
 ) -> None:
     row_bytes, heads, seed = spec
     rng = np.random.default_rng(seed)
-    parts = [rng.integers(0, 256, size=(h, row_bytes), dtype=np.uint8) for h in heads]
-    full = np.concatenate(parts)
+    badge = SMALL_BADGE[row_bytes]
+    spec = TableSpec(row_bytes, heads, rows_per_badge=badge, shard_bytes=badge * row_bytes * 2)
     with tempfile.TemporaryDirectory() as d:
-        engramdb.build(
-            d,
-            "t",
-            row_bytes,
-            parts,
-            rows_per_badge=SMALL_BADGE[row_bytes],
-            shard_bytes=SMALL_BADGE[row_bytes] * row_bytes * 2,
-        )
-        with engramdb.open(d) as db:
+        path, rows = make_db(d, {"t": spec}, seed=seed)
+        full = rows["t"]
+        with engramdb.open(path) as db:
             s = db["t"]
             assert s.n_rows == full.shape[0] and list(s.heads) == heads
             assert s.head_offsets.tolist() == np.concatenate([[0], np.cumsum(heads)[:-1]]).tolist()
@@ -66,21 +60,19 @@ def test_fetch_and_lookup_equal_source(
 
 def test_large_batch_parallel_gather_equals_source(rng: np.random.Generator) -> None:
     """Batches above the parallel threshold are split across threads; bytes stay exact."""
-    full = rng.integers(0, 256, size=(20_000, 160), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as d:
-        engramdb.build(d, "t", 160, [full])
-        with engramdb.open(d) as db:
+        path, rows = make_db(d, {"t": (160, (20_000,))})
+        full = rows["t"]
+        with engramdb.open(path) as db:
             ids = rng.integers(0, 20_000, size=50_001)
             assert np.array_equal(db["t"].fetch(ids), full[ids])
 
 
 def test_several_tables_in_one_database(rng: np.random.Generator) -> None:
-    a = rng.integers(0, 256, size=(300, 264), dtype=np.uint8)
-    b = rng.integers(0, 256, size=(1000, 7), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as d:
-        engramdb.build(d, "a", 264, [a])
-        engramdb.build(d, "b", 7, [b], heads=[400, 600])
-        with engramdb.open(d) as db:
+        path, rows = make_db(d, {"a": (264, (300,)), "b": (7, (400, 600))})
+        a, b = rows["a"], rows["b"]
+        with engramdb.open(path) as db:
             assert db.tables == ["a", "b"]
             assert np.array_equal(db["a"].fetch([5, 299]), a[[5, 299]])
             assert np.array_equal(db["b"].fetch([0, 999]), b[[0, 999]])
@@ -90,10 +82,10 @@ def test_several_tables_in_one_database(rng: np.random.Generator) -> None:
 def test_concurrent_fetches_from_threads(rng: np.random.Generator) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    full = rng.integers(0, 256, size=(5000, 264), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as d:
-        engramdb.build(d, "t", 264, [full])
-        with engramdb.open(d) as db:
+        path, rows = make_db(d, {"t": (264, (5000,))})
+        full = rows["t"]
+        with engramdb.open(path) as db:
             s = db["t"]
             id_sets = [rng.integers(0, 5000, size=4000) for _ in range(16)]
             with ThreadPoolExecutor(4) as pool:

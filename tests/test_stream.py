@@ -12,6 +12,8 @@ import engramdb
 from engramdb import keygen
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
 from engramdb.stream import stream
+from engramdb.testing.dbs import TableSpec, make_db
+from engramdb.testing.tables import MemoryTable
 
 EOS = 248_044
 VOCAB = 248_320
@@ -20,10 +22,9 @@ VOCAB = 248_320
 @pytest.fixture
 def db_and_table(tmp_path: Path) -> tuple[Path, keygen.Hasher, np.ndarray]:
     h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
-    rows = h.table_rows(2)
-    full = np.random.default_rng(7).integers(0, 256, (rows, 160), dtype=np.uint8)
-    engramdb.build(tmp_path / "db", "ple", 160, [full], rows_per_badge=128)
-    return tmp_path / "db", h, full
+    spec = TableSpec(160, (h.table_rows(2),), rows_per_badge=128)
+    path, rows = make_db(tmp_path, {"ple": spec})
+    return path, h, rows["ple"]
 
 
 def corpus(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -153,3 +154,18 @@ def test_a_store_p_view_serves_the_same_rows(
             assert st["hits"] > 0 and st["misses"] > 0, st  # view hits, Store-I misses
         by_name = collect(db.stream(seq, preset=h, table="ple", batch_tokens=700, view="v"))[1]
         assert np.array_equal(np.concatenate(by_name), full[h.row_ids(seq, layer=2)])
+
+
+def test_stream_reads_any_row_table(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    """A table that is not local (here in memory) streams through `RowTable.gather`."""
+    _, h, full = db_and_table
+    seq = corpus(rng, (2500,))
+    table = MemoryTable(full, name="ple")
+    toks, es = collect(engramdb.stream(table, seq, preset=h, batch_tokens=700))
+    assert np.array_equal(np.concatenate(toks), seq)
+    assert np.array_equal(np.concatenate(es), full[h.row_ids(seq, layer=2)])
+    assert table.gathers == len(toks)
+    with pytest.raises(InvalidArgument, match="no views"):
+        engramdb.stream(table, seq, preset=h, view="v")

@@ -32,11 +32,12 @@ from numpy.typing import ArrayLike
 from engramdb.errors import (
     InvalidArgument,
     InvalidDtype,
-    InvalidLayout,
     ReadError,
     ShapeMismatch,
     StoreClosed,
 )
+from engramdb.stats import Stats
+from engramdb.validate import check_output
 
 __all__ = [
     "Backend",
@@ -116,16 +117,9 @@ def _first_bad(mask: np.ndarray) -> int:
 
 
 def check_dest(dest: Any) -> np.ndarray:
-    """``dest`` as a flat writable uint8 view; raises the typed error for anything else."""
-    if not isinstance(dest, np.ndarray):
-        raise InvalidDtype(f"dest must be a numpy uint8 array, got {type(dest).__name__}")
-    if dest.dtype != np.uint8:
-        raise InvalidDtype(f"dest must have dtype uint8, got {dest.dtype}")
-    if not dest.flags.c_contiguous:
-        raise InvalidLayout("dest must be C-contiguous")
-    if not dest.flags.writeable:
-        raise InvalidLayout("dest is read-only")
-    return dest.reshape(-1)
+    """``dest`` as a flat writable uint8 view; raises the typed error for anything else
+    (`engramdb.validate.check_output` with any shape)."""
+    return check_output(dest, None, name="dest").reshape(-1)
 
 
 def prepare_batch(
@@ -299,21 +293,13 @@ def _copy_by_byte_index(
 
 # --- the interface --------------------------------------------------------------------------
 @dataclass
-class BackendStats:
+class BackendStats(Stats):
     """Counters that prove which backend served a workload (snapshot via `Backend.stats`)."""
 
     batches: int = 0
     requests: int = 0
     bytes: int = 0
     syscalls: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "batches": self.batches,
-            "requests": self.requests,
-            "bytes": self.bytes,
-            "syscalls": self.syscalls,
-        }
 
 
 class Backend(abc.ABC):
@@ -358,7 +344,7 @@ class Backend(abc.ABC):
     def stats(self) -> BackendStats:
         """A snapshot of the counters (batches, requests, bytes, syscalls)."""
         with self._stats_lock:
-            return BackendStats(**self._stats.as_dict())
+            return self._stats.copy()
 
     def _count(self, requests: int, nbytes: int, syscalls: int) -> None:
         with self._stats_lock:
@@ -407,6 +393,14 @@ class Backend(abc.ABC):
         if batch.n == 0:
             return
         self._read(batch, dest.reshape(-1))
+
+    def read_batch(self, batch: Batch, dest: np.ndarray) -> None:
+        """`read` for a batch already validated by `prepare_batch` (non-empty) into the flat
+        ``dest`` it was validated against: a backend that delegates (``auto``) hands its
+        batch on without validating it twice. Raises `StoreClosed` after `close`."""
+        if self._closed:
+            raise StoreClosed(f"{self.name} backend is closed")
+        self._read(batch, dest)
 
     @abc.abstractmethod
     def _read(self, batch: Batch, dest: np.ndarray) -> None:

@@ -1,4 +1,4 @@
-"""One contiguous read-only mapping over many shard files, plus madvise helpers.
+"""One contiguous read-only mapping over many shard files, plus the one libc binding.
 
 Shards are mapped back to back into a single reserved virtual range (``MAP_FIXED`` over a
 ``PROT_NONE`` reservation), so a table of many shards is still one ``[n_rows, row_bytes]``
@@ -6,7 +6,10 @@ numpy array and a gather never groups ids by shard. Every shard but the last is 
 number of pages (the badge rule guarantees it), so row ``r`` sits at byte ``r * row_bytes``.
 
 madvise goes through ctypes rather than ``mmap.madvise`` because ctypes releases the GIL for
-the duration of the call: populating a mapping can then run in background threads.
+the duration of the call: populating a mapping can then run in background threads. `LIBC` is
+the package's one ctypes handle on libc (``mmap``, ``munmap``, ``madvise``, ``mincore`` typed
+here; io_uring's ``syscall`` / ``statx`` go through it too); `madvise`, `mincore`,
+`populate_range`, `map_range` / `unmap_range` wrap it with errors as `OSError`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+#: The process's libc through ctypes (``use_errno=True``; calls release the GIL).
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = LIBC
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
     ctypes.c_void_p,
@@ -62,6 +67,43 @@ def madvise(addr: int, length: int, advice: int) -> None:
     if _libc.madvise(start, length, advice) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"madvise(advice={advice}) failed: {os.strerror(e)}")
+
+
+def mincore(addr: int, length: int, vec: int) -> None:
+    """``mincore(2)``: one byte per page of ``[addr, addr + length)`` (``addr`` page-aligned,
+    inside live mappings) written at address ``vec``. Raises `OSError` (``ENOMEM`` for an
+    address outside any mapping)."""
+    if _libc.mincore(addr, length, vec) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mincore: {os.strerror(e)}")
+
+
+def populate_range(addr: int, length: int) -> None:
+    """Fill the page tables for ``[addr, addr + length)`` of a live mapping (reads cold pages
+    at device speed; blocks, the GIL released): ``MADV_POPULATE_READ`` (Linux 5.14+), else
+    ``MADV_WILLNEED`` (which only starts I/O). Raises `OSError` (``EFAULT``: an unreadable
+    page)."""
+    try:
+        madvise(addr, length, MADV_POPULATE_READ)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: kernel < 5.14, no POPULATE_READ
+            raise
+        madvise(addr, length, MADV_WILLNEED)
+
+
+def map_range(fd: int, offset: int, length: int) -> int:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (page-aligned) read-only and shared,
+    without reading anything; returns the address. Release it with `unmap_range`."""
+    addr = _libc.mmap(None, length, PROT_READ, MAP_SHARED, fd, offset)
+    if addr in (None, _MAP_FAILED):
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap: {os.strerror(e)}")
+    return int(addr)
+
+
+def unmap_range(addr: int, length: int) -> None:
+    """Release a mapping made by `map_range`."""
+    _libc.munmap(addr, length)
 
 
 class ShardMapping:
@@ -119,7 +161,7 @@ class ShardMapping:
         if nbytes == 0:
             return np.zeros((n_rows, row_bytes), dtype=np.uint8)
         buf = (ctypes.c_uint8 * nbytes).from_address(self.address)
-        arr = np.frombuffer(buf, dtype=np.uint8).reshape(n_rows, row_bytes)
+        arr = np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(n_rows, row_bytes)
         arr.flags.writeable = False
         return arr
 
@@ -144,14 +186,11 @@ class ShardMapping:
         def one(off: int) -> None:
             n = min(chunk, length - off)
             try:
-                madvise(base + off, n, MADV_POPULATE_READ)
+                populate_range(base + off, n)
             except OSError as e:
-                if e.errno == errno.EINVAL:  # kernel < 5.14: no POPULATE_READ
-                    madvise(base + off, n, MADV_WILLNEED)
-                elif e.errno == errno.EFAULT:
+                if e.errno == errno.EFAULT:
                     raise ReadError(f"populate hit an unreadable page near byte {off}") from e
-                else:
-                    raise
+                raise
             if progress is not None:
                 progress(n)
 
@@ -167,9 +206,7 @@ class ShardMapping:
             return 1.0
         pages = -(-self.length // PAGE)
         vec = np.zeros(pages, dtype=np.uint8)
-        if _libc.mincore(self.address, pages * PAGE, vec.ctypes.data) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"mincore failed: {os.strerror(e)}")
+        mincore(self.address, pages * PAGE, vec.ctypes.data)
         return float(np.count_nonzero(vec & 1)) / pages
 
     def close(self) -> None:

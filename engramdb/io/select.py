@@ -170,6 +170,19 @@ class AutoBackend(Backend):
     def io_uring(self) -> bool:
         return self.cold.name == "io_uring"
 
+    @property
+    def in_mapped_state(self) -> bool:
+        """Whether the rule is in its mapped state: the last check found the batch's sampled
+        pages resident, so batches are served from the mapping until a check says otherwise
+        (False without a mapping). One attribute read."""
+        return self.mapped is not None and self._state is self.mapped
+
+    @property
+    def suspect(self) -> bool:
+        """Whether the last mmap batch was slow (it may have faulted): the next batch checks a
+        full sample of its pages before it is served."""
+        return self._suspect
+
     def _pick(self, fraction: float, offsets: ArrayLike, lengths: ArrayLike | None) -> Backend:
         direct = self.direct_cold is not None and (lengths is None or direct_pays(offsets, lengths))
         name = choose_backend(
@@ -263,7 +276,7 @@ class AutoBackend(Backend):
     def _read(self, batch: Batch, dest: np.ndarray) -> None:
         chosen = self.choose(batch.fds, batch.offsets, batch.lengths)
         t0 = time.perf_counter()
-        chosen._read(batch, dest)
+        chosen.read_batch(batch, dest)
         self.feedback(chosen, batch.n, time.perf_counter() - t0)
         self._count(batch.n, batch.nbytes, 0)
 

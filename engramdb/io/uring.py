@@ -41,6 +41,7 @@ import numpy as np
 
 from engramdb.errors import BackendUnavailable, InvalidArgument, ReadError, StoreClosed
 from engramdb.io.base import Backend, Batch, copy_segments, eof_error, read_error
+from engramdb.io.mapping import LIBC
 
 __all__ = ["DISABLE_ENV", "IoUringBackend"]
 
@@ -65,7 +66,7 @@ _CANCEL_TAG = (1 << 64) - 1
 STATX_DIOALIGN = 0x2000
 AT_EMPTY_PATH = 0x1000
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = LIBC  # the one libc binding (engramdb.io.mapping)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 

@@ -74,10 +74,6 @@ class TableGeometry:
         return max(1, -(-self.n_rows // self.rows_per_shard)) if self.n_rows else 0
 
     @property
-    def n_badges(self) -> int:
-        return -(-self.n_rows // self.rows_per_badge)
-
-    @property
     def table_bytes(self) -> int:
         return self.n_rows * self.row_bytes
 
@@ -95,9 +91,6 @@ class TableGeometry:
         rows = np.asarray(rowids, dtype=np.int64)
         shard, within = np.divmod(rows, self.rows_per_shard)
         return shard, within * self.row_bytes
-
-    def badge_of(self, rowids: np.ndarray) -> np.ndarray:
-        return np.asarray(rowids, dtype=np.int64) // self.rows_per_badge
 
     def to_dict(self) -> dict[str, int | str]:
         return {

@@ -1,0 +1,386 @@
+"""`LocalTable`: one Store-I table read from local shard files — the engine under `Store`.
+
+It owns the shards' descriptors, their back-to-back mapping, the I/O backend and its read
+rule, the RAM tier and the prefetcher, and offers the package a *trusted* read API for ids
+that were validated already (keygen output for a table that fits, a prefetch ticket, a
+checked batch): `gather`, `gather_small`, `gather_resident`, `read_below`, plus `scratch`,
+`mapped_state`, `resident_state`, `fd_array`, `array` and `db_path`. Workloads (`Decoder`,
+`engramdb.stream`, the prefetcher) use these names; callers with unchecked ids use the
+`RowTable` surface (`fetch`, `fetch_into`, `lookup_into`).
+
+The warm path is one vectorised gather: the shards are mapped back to back, so a gather is
+``np.take(table, ids, axis=0, out=..., mode="clip")`` after a one-pass bounds check
+(``mode="clip"`` avoids numpy's temporary copy for ``mode="raise"``; the ids were validated
+already, so clipping never changes a row).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engramdb.disk.files import open_shards
+from engramdb.errors import StoreClosed
+from engramdb.io import Backend, make_backend
+from engramdb.io.gather import take_rows
+from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
+from engramdb.io.select import AutoBackend
+from engramdb.layouts.geometry import TableGeometry
+from engramdb.layouts.manifest import TableInfo
+from engramdb.read.cache import RowCache
+from engramdb.read.plan import assemble, locate, plan_reads
+from engramdb.read.prefetch import Prefetcher
+from engramdb.table_api import RowTable, TableSchema
+from engramdb.units import parse_size
+
+__all__ = ["LocalTable"]
+
+_NO_OFFSETS = np.zeros(1, dtype=np.int64)
+# RAM tier with a resident table (see `LocalTable._gather_tiered`): batches above this many
+# rows bypass the tier; every `_TIER_ADMIT_EVERY`-th bypassed batch admits its first rows.
+_TIER_SAMPLE = 128
+_TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
+
+
+def _take_serial(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    np.take(table, ids, axis=0, out=out, mode="clip")
+
+
+class LocalTable(RowTable):
+    """One table of a local database. Thread-safe for concurrent reads.
+
+    Opening maps the shards (no data is read) and builds the backend; ``ram_budget`` (bytes
+    or ``"8G"``) adds a RAM tier. `close` releases the mapping, the descriptors, the backend
+    and the prefetcher; later reads raise `StoreClosed`.
+    """
+
+    def __init__(
+        self,
+        db_path: str | os.PathLike[str],
+        info: TableInfo,
+        *,
+        backend: str = "auto",
+        ram_budget: int | str | None = None,
+        **backend_options: Any,
+    ):
+        RowTable.__init__(self, TableSchema.of(info))
+        self._db = Path(db_path)
+        self.info = info
+        self.geometry: TableGeometry = info.geometry
+        self._fds = open_shards(self._db, info)
+        self._mapping: ShardMapping | None = None
+        try:
+            self._mapping = ShardMapping(self._fds, [s.bytes for s in info.shards])
+            self._table: np.ndarray | None = self._mapping.array(self.n_rows, self.row_bytes)
+            for fd in self._fds:
+                # The table is read at random: no read-ahead on the syscall paths either.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            flat = self._table.reshape(-1)
+            regions = {}
+            start = 0
+            for fd, sh in zip(self._fds, info.shards):
+                regions[fd] = flat[start : start + sh.bytes]
+                start += sh.bytes
+            self._backend: Backend | None = make_backend(
+                backend, regions=regions, **backend_options
+            )
+        except BaseException:
+            if self._mapping is not None:
+                self._mapping.close()
+            for fd in self._fds:
+                os.close(fd)
+            raise
+        self.backend_name = backend
+        b = self._backend
+        self._auto: AutoBackend | None = b if isinstance(b, AutoBackend) else None
+        self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
+        self._fd_array = np.asarray(self._fds, dtype=np.int32)
+        self._scratch = threading.local()
+        self._counters = {
+            "fetch_calls": 0,
+            "rows_fetched": 0,
+            "small_gathers": 0,
+            "prefetched_gathers": 0,
+        }
+        self._cache: RowCache | None = None
+        self._prefetcher: Prefetcher | None = None
+        self._bypasses = 0
+        self._prefetch_lock = threading.Lock()
+        if ram_budget is not None:
+            self._cache = RowCache(self.row_bytes, parse_size(ram_budget), self.n_rows)
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._table is None
+
+    def check_open(self) -> None:
+        """Raise `StoreClosed` if the table was closed (one attribute test)."""
+        if self._table is None:
+            raise StoreClosed(f"table {self.name!r} is closed")
+
+    @property
+    def db_path(self) -> Path:
+        """The database directory this table was opened from."""
+        return self._db
+
+    @property
+    def fd_array(self) -> np.ndarray:
+        """The shards' open descriptors (int32, shard order): index it with a plan's
+        ``shard`` array to get each read's descriptor. Owned by the table; do not close."""
+        return self._fd_array
+
+    @property
+    def backend(self) -> Backend | None:
+        """The I/O backend (None once closed)."""
+        return self._backend
+
+    @property
+    def cache(self) -> RowCache | None:
+        """The RAM tier (``ram_budget=`` at open), or None."""
+        return self._cache
+
+    def array(self) -> np.ndarray:
+        """The mapped table, a read-only ``[n_rows, row_bytes]`` uint8 view (valid until
+        `close`; touching a cold page faults it in). Raises `StoreClosed` once closed."""
+        t = self._table
+        if t is None:
+            raise StoreClosed(f"table {self.name!r} is closed")
+        return t
+
+    def scratch(self, name: str, nbytes: int) -> np.ndarray:
+        """A reused per-thread uint8 buffer of ``nbytes`` for the caller's ``name`` (fresh
+        allocations fault pages in: expensive here). Valid until the same thread asks for
+        ``name`` again."""
+        buf = getattr(self._scratch, name, None)
+        if buf is None or buf.size < nbytes:
+            buf = np.zeros(max(nbytes, 1 << 16), dtype=np.uint8)
+            setattr(self._scratch, name, buf)
+        return buf[:nbytes]
+
+    def mapped_state(self) -> bool:
+        """Whether reads are served from the mapping: the mmap backend, or `auto` in its
+        mapped (resident) state. Cheap: attribute reads only."""
+        a = self._auto
+        if a is not None:
+            return a.in_mapped_state and not a.suspect
+        b = self._backend
+        return b is not None and b.name == "mmap"
+
+    def resident_state(self) -> bool:
+        """Whether the `auto` read rule last saw this table's pages resident (its mapped
+        state). Fixed backends say nothing about residency: False."""
+        a = self._auto
+        return a is not None and a.in_mapped_state
+
+    # -- the trusted read API (validated ids) ------------------------------------------------
+    def _choose(self, flat: np.ndarray) -> Backend:
+        """The backend's pick for a batch of validated ids (it sees an evenly spread sample)."""
+        backend = self._backend
+        assert backend is not None
+        sample = flat[:: max(1, flat.size // 16)]
+        shard, off = locate(sample, self.geometry)
+        return backend.choose(self._fd_array[shard], off, self.row_bytes, batch_rows=flat.size)
+
+    def read_below(
+        self,
+        flat: np.ndarray,
+        out2d: np.ndarray,
+        *,
+        serial: bool = False,
+        chosen: Backend | None = None,
+    ) -> None:
+        """Rows of validated ids from the page cache or the device, through the backend
+        (past the RAM tier and the prefetcher; no counters).
+
+        The backend picks the path per batch (``auto``: mmap gather for resident data,
+        io_uring/preadv for cold data); syscall paths dedupe and sort the reads. ``serial``
+        keeps a large mapped gather on this thread (callers that run their own workers);
+        ``chosen`` is the backend's pick when the caller already asked for it."""
+        take = _take_serial if serial else take_rows
+        table = self.array()
+        backend = self._backend
+        assert backend is not None
+        if not backend.wants_plan and backend.name == "mmap":
+            take(table, flat, out2d)
+            return
+        n = flat.size
+        if chosen is None and n < self._unsampled_rows and self.mapped_state():
+            # The rule would not sample a batch this small in the mapped state (a stray fault
+            # costs it less than the check): skip locating it, ~3 us of a 16-row decode step.
+            chosen = backend.choose(self._fd_array[:1], _NO_OFFSETS, batch_rows=n)
+            if not chosen.wants_plan:  # still mapped (another thread may have moved the state)
+                t0 = time.perf_counter()
+                take(table, flat, out2d)
+                backend.feedback(chosen, n, time.perf_counter() - t0)
+                return
+        chosen = self._choose(flat) if chosen is None else chosen
+        t0 = time.perf_counter()
+        if not chosen.wants_plan:
+            take(table, flat, out2d)
+        else:
+            plan = plan_reads(flat, self.geometry, validated=True)
+            scratch = self.scratch("reads", plan.scratch_bytes)
+            chosen.read(
+                self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
+            )
+            assemble(plan, scratch, out2d)
+        backend.feedback(chosen, n, time.perf_counter() - t0)
+
+    def _gather_tiered(self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray) -> None:
+        """A large batch through the RAM tier, or past it while the table is resident.
+
+        While the `auto` rule serves the table from the page cache (its mapped state) a tier
+        hit saves nothing — one gather from the mapping is cheaper than probing the tier and
+        scattering hits and misses (~7x slower on a zipfian batch, ~10x on a uniform one) — so
+        the batch is read below in one pass, and every `_TIER_ADMIT_EVERY` such batches the
+        misses among its first `_TIER_SAMPLE` ids are admitted, so the tier learns what is
+        popular before the page cache lets go of the table. Otherwise (reads may go to the
+        device, or the backend says nothing about residency) every hit saves a read: the
+        batch is served through the tier."""
+        chosen = None
+        if self.resident_state():
+            # The rule samples a large batch's pages anyway: ask it before deciding, so the
+            # first batch after the table went cold already goes through the tier.
+            chosen = self._choose(flat)
+        if chosen is None or chosen.wants_plan:
+            self._fill_misses(cache, flat, out2d, cache.get_into(flat, out2d))
+            return
+        self.read_below(flat, out2d, chosen=chosen)
+        self._bypasses += 1
+        if self._bypasses % _TIER_ADMIT_EVERY == 0:
+            head = flat[:_TIER_SAMPLE]
+            new = ~cache.present(head)  # the presence bitmap: one gather, no hash probes
+            cache.admit(head[new], out2d[: head.size][new])
+        cache.stats.bypassed += flat.size
+
+    def _fill_misses(
+        self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray, miss: np.ndarray
+    ) -> None:
+        n_miss = int(np.count_nonzero(miss))
+        if n_miss:
+            missed = flat[miss]
+            rows = self.scratch("miss", n_miss * self.row_bytes).reshape(n_miss, self.row_bytes)
+            self.read_below(missed, rows)
+            out2d[miss] = rows
+            cache.admit(missed, rows)
+
+    def gather(self, flat: np.ndarray, out2d: np.ndarray, *, serial: bool = False) -> None:
+        """Rows of validated global ids ``flat`` into ``out2d`` (see `RowTable.gather`):
+        waits for prefetches of these rows still in flight (raising a failed one's error),
+        serves through the RAM tier when there is one, else `read_below`; counted in
+        ``stats()``. ``serial`` keeps a large mapped gather on this thread."""
+        pf = self._prefetcher
+        if pf is not None and pf.busy:
+            pf.wait_for(flat)  # rows still in flight, or a failed prefetch of these rows
+        cache = self._cache
+        if cache is None:
+            self.read_below(flat, out2d, serial=serial)
+        elif flat.size > _TIER_SAMPLE:
+            self._gather_tiered(cache, flat, out2d)
+        else:
+            self._fill_misses(cache, flat, out2d, cache.get_into(flat, out2d))
+        c = self._counters
+        c["fetch_calls"] += 1
+        c["rows_fetched"] += flat.size
+
+    def gather_small(self, flat: np.ndarray, out2d: np.ndarray) -> None:
+        """`gather` for a decode step's few validated ids: one ``np.take`` from the mapping
+        while the read rule is in its mapped state and nothing else (RAM tier, prefetches in
+        flight) is involved; a slow gather (page faults) still reaches the rule's feedback so
+        an evicted table is noticed. Otherwise the general path."""
+        pf = self._prefetcher
+        if (
+            self._cache is not None
+            or (pf is not None and pf.busy)
+            or flat.size >= self._unsampled_rows
+            or not self.mapped_state()
+        ):
+            self.gather(flat, out2d)
+            return
+        pc = time.perf_counter
+        t0 = pc()
+        np.take(self.array(), flat, axis=0, out=out2d, mode="clip")
+        dt = pc() - t0
+        a = self._auto
+        if a is not None and a.mapped is not None and dt * 1e6 > a.slow_us * flat.size:
+            a.feedback(a.mapped, flat.size, dt)
+        c = self._counters
+        c["fetch_calls"] += 1
+        c["rows_fetched"] += flat.size
+        c["small_gathers"] += 1
+
+    def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
+        """Gather validated ids known to be in the page cache (a finished page-cache
+        prefetch) straight from the mapping."""
+        take_rows(self.array(), flat, out2d)
+        c = self._counters
+        c["fetch_calls"] += 1
+        c["rows_fetched"] += flat.size
+        c["prefetched_gathers"] += 1
+
+    # -- prefetch ----------------------------------------------------------------------------
+    @property
+    def prefetcher(self) -> Prefetcher:
+        """The background reader of this table (created on first use)."""
+        pf = self._prefetcher
+        if pf is None:
+            with self._prefetch_lock:
+                self.check_open()
+                if self._prefetcher is None:
+                    self._prefetcher = Prefetcher(self)
+                pf = self._prefetcher
+        return pf
+
+    # -- residency ---------------------------------------------------------------------------
+    def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
+        """Fault the whole table into the page tables (``MADV_POPULATE_READ``): reads it from
+        the device if cold, in ``threads`` background threads (the GIL is released).
+        Afterwards warm gathers run at memory speed. ``progress`` gets byte counts."""
+        if self._mapping is None:
+            raise StoreClosed(f"table {self.name!r} is closed")
+        # With MADV_RANDOM a cold populate reads page by page (~60 MB/s here); sequential
+        # advice lets read-ahead stream it at device speed.
+        self._mapping.advise(MADV_SEQUENTIAL)
+        try:
+            self._mapping.populate(threads=threads, progress=progress)
+        finally:
+            self._mapping.advise(MADV_RANDOM)
+
+    def residency(self) -> float:
+        """Fraction of the table's pages in the page cache (0..1), via ``mincore``."""
+        if self._mapping is None:
+            raise StoreClosed(f"table {self.name!r} is closed")
+        return self._mapping.residency()
+
+    # -- counters ----------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Calls and rows served so far (a copy): ``fetch_calls``, ``rows_fetched``,
+        ``small_gathers``, ``prefetched_gathers``."""
+        return dict(self._counters)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the prefetcher, the mapping, the backend and the file descriptors. Later
+        calls raise `StoreClosed`. Idempotent."""
+        if self._table is None:
+            return
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._table = None
+        self._auto = None
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
