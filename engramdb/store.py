@@ -24,7 +24,7 @@ from engramdb.validate import as_rowids, check_bounds
 if TYPE_CHECKING:
     from engramdb.view import View
 
-__all__ = ["Store", "open_shards"]
+__all__ = ["Store"]
 
 
 class Store(LocalTable):
