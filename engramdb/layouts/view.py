@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,14 @@ import numpy as np
 import xxhash
 
 from engramdb.errors import CorruptFile, CorruptManifest, InvalidArgument
+
+# The key math moved to `engramdb.layouts.keys`; these names stay importable from here.
+from engramdb.layouts.keys import (  # noqa: F401
+    KeyHash,
+    default_key_hash,
+    match_keys,
+    xxh64_keys,
+)
 from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, TableInfo
 
 VIEW_FORMAT_VERSION = 1
@@ -47,8 +54,6 @@ CHECKSUM_AT = HEADER_BYTES - 8
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
-
-KeyHash = Callable[[np.ndarray], np.ndarray]
 
 
 def check_view_name(name: str) -> str:
@@ -79,77 +84,6 @@ def source_hash(info: TableInfo) -> str:
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_64_hexdigest(text.encode())
-
-
-# --- XXH64 of fixed-width int64 keys, vectorised --------------------------------------------
-_M64 = (1 << 64) - 1
-_P1, _P2, _P3, _P4, _P5 = (
-    0x9E3779B185EBCA87,
-    0xC2B2AE3D27D4EB4F,
-    0x165667B19E3779F9,
-    0x85EBCA77C2B2AE63,
-    0x27D4EB2F165667C5,
-)
-_U = np.uint64
-
-
-def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return (x << _U(r)) | (x >> _U(64 - r))
-
-
-def _round(acc: np.ndarray, lane: np.ndarray) -> np.ndarray:
-    acc = acc + lane * _U(_P2)
-    return _rotl(acc, 31) * _U(_P1)
-
-
-def xxh64_keys(keys: np.ndarray, seed: int = 0) -> np.ndarray:
-    """XXH64 (``seed``) of each row's little-endian int64 bytes: uint64 ``[K]`` for ``[K, W]``.
-
-    Bit-identical to ``xxhash.xxh64_intdigest(row.astype("<i8").tobytes(), seed)``; computed
-    column by column with wrapping uint64 numpy arithmetic (uint64 array ops wrap without a
-    warning), so the cost is ~20 passes over ``K`` values for ``W <= 4``: ~15 ns per key.
-    """
-    k = np.ascontiguousarray(keys, dtype="<i8")
-    if k.ndim != 2:
-        raise InvalidArgument(f"keys must be 2-D [K, W], got shape {k.shape}")
-    n, width = k.shape
-    lanes = k.view(np.uint64)
-    seed &= _M64
-    length = 8 * width
-    col = 0
-    if length >= 32:
-        v1 = np.full(n, (seed + _P1 + _P2) & _M64, dtype=np.uint64)
-        v2 = np.full(n, (seed + _P2) & _M64, dtype=np.uint64)
-        v3 = np.full(n, seed, dtype=np.uint64)
-        v4 = np.full(n, (seed - _P1) & _M64, dtype=np.uint64)
-        while width - col >= 4:
-            v1 = _round(v1, lanes[:, col])
-            v2 = _round(v2, lanes[:, col + 1])
-            v3 = _round(v3, lanes[:, col + 2])
-            v4 = _round(v4, lanes[:, col + 3])
-            col += 4
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        for v in (v1, v2, v3, v4):
-            h = (h ^ _round(np.zeros_like(v), v)) * _U(_P1) + _U(_P4)
-    else:
-        h = np.full(n, (seed + _P5) & _M64, dtype=np.uint64)
-    h = h + _U(length)
-    zero = np.zeros(n, dtype=np.uint64)
-    while col < width:
-        h = h ^ _round(zero, lanes[:, col])
-        h = _rotl(h, 27) * _U(_P1) + _U(_P4)
-        col += 1
-    h ^= h >> _U(33)
-    h *= _U(_P2)
-    h ^= h >> _U(29)
-    h *= _U(_P3)
-    h ^= h >> _U(32)
-    return h
-
-
-def default_key_hash(keys: np.ndarray) -> np.ndarray:
-    """The format's key hash: XXH64, seed 0, of each key's ``<i8`` bytes."""
-    return xxh64_keys(keys, 0)
 
 
 # --- headers --------------------------------------------------------------------------------
@@ -456,44 +390,6 @@ def plan_slot_reads(slots: np.ndarray, slot_bytes: int, *, max_request: int) -> 
         lengths=run_len * slot_bytes,
         dest_offsets=run_first * slot_bytes,
     )
-
-
-# --- key matching ---------------------------------------------------------------------------
-def match_keys(
-    sorted_hashes: np.ndarray,
-    sorted_keys: np.ndarray,
-    slot_of: np.ndarray,
-    query_keys: np.ndarray,
-    query_hashes: np.ndarray,
-) -> np.ndarray:
-    """Slot of every query key (int64, -1 for a miss), by hash search confirmed by the key.
-
-    One ``searchsorted`` finds each query's first index entry with an equal hash; the stored
-    key at that entry must equal the query in every column. A query whose hash equals a
-    stored hash but whose key differs moves on to the next entry of the same hash, so a
-    collision costs one more vectorised round over the colliding queries only; a key is never
-    given the slot of another key.
-    """
-    m = query_hashes.shape[0]
-    result = np.full(m, -1, dtype=np.int64)
-    k = sorted_hashes.shape[0]
-    if k == 0 or m == 0:
-        return result
-    pos = np.searchsorted(sorted_hashes, query_hashes)
-    active = np.flatnonzero(pos < k)
-    p = pos[active]
-    while active.shape[0]:
-        same = np.asarray(sorted_hashes[p]) == query_hashes[active]
-        active, p = active[same], p[same]
-        if not active.shape[0]:
-            break
-        eq = (np.asarray(sorted_keys[p]) == query_keys[active]).all(axis=1)
-        result[active[eq]] = slot_of[p[eq]]
-        miss = ~eq
-        active, p = active[miss], p[miss] + 1
-        inside = p < k
-        active, p = active[inside], p[inside]
-    return result
 
 
 # --- the manifest entry ---------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The engine under every handle: read planning, the RAM tier, prefetch, local tables, view records."""
