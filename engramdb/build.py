@@ -23,18 +23,26 @@ import mmap
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from engramdb import __version__
+from engramdb._version import __version__
+from engramdb.disk.checksum import BlockHasher
+from engramdb.disk.files import fsync_dir
+from engramdb.disk.publish import (
+    LOCK_NAME,
+    collect_garbage,
+    database_lock,
+    new_generation_id,
+    new_staging_dir,
+    read_manifest_or_empty,
+    write_manifest,
+)
 from engramdb.errors import (
     InvalidArgument,
     ReadError,
@@ -42,21 +50,24 @@ from engramdb.errors import (
     TableExists,
 )
 from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
-from engramdb.layouts.manifest import (
-    CHECK_BLOCK_BYTES,
-    EMPTY,
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    TableInfo,
-    check_table_name,
-    parse_manifest,
-)
+from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
+
+__all__ = [
+    "CHUNK_BYTES",
+    "LOCK_NAME",
+    "STAGE_BYTES",
+    "BuildSummary",
+    "build",
+    "collect_garbage",
+    "database_lock",
+    "drop_table",
+    "read_manifest_or_empty",
+    "write_manifest",
+]
 
 #: Size of each of the two reusable read buffers: bounds build memory whatever the table size.
 CHUNK_BYTES = 16 * 1024 * 1024
-LOCK_NAME = ".lock"
 
 
 @dataclass(frozen=True)
@@ -77,71 +88,6 @@ class BuildSummary:
             f"built table {self.table!r}: {self.rows:,} rows, {self.bytes / 1e9:.3f} GB in "
             f"{self.shards} shard(s), {self.seconds:.2f} s, {self.gb_per_s:.2f} GB/s"
         )
-
-
-def _fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def database_lock(db: Path) -> Iterator[None]:
-    """Exclusive writer lock on a database directory (blocks until free)."""
-    fd = os.open(db / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def read_manifest_or_empty(db: Path) -> Manifest:
-    try:
-        text = (db / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        return EMPTY
-    return parse_manifest(text)
-
-
-def write_manifest(db: Path, manifest: Manifest) -> None:
-    """Atomically replace ``manifest.json`` (temp file + fsync + rename + dir fsync)."""
-    tmp = db / f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, db / MANIFEST_NAME)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(db)
-
-
-def collect_garbage(db: Path, manifest: Manifest) -> None:
-    """Remove generation and staging directories the manifest does not name.
-
-    Only call with the database lock held: an in-flight build's staging directory would
-    otherwise be removed under it.
-    """
-    referenced: set[str] = set()
-    for t in manifest.tables.values():
-        for s in t.shards:
-            referenced.add(s.path.rsplit("/", 1)[0])
-    for tdir in db.iterdir():
-        if not tdir.is_dir() or tdir.name.startswith("."):
-            continue
-        for gen in tdir.iterdir():
-            if gen.is_dir() and (gen.name.startswith("g-") or gen.name.startswith(".staging-")):
-                if f"{tdir.name}/{gen.name}" not in referenced:
-                    shutil.rmtree(gen, ignore_errors=True)
-        if tdir.name not in manifest.tables and not any(tdir.iterdir()):
-            tdir.rmdir()
-    for tmp in db.glob(f".{MANIFEST_NAME}.tmp-*"):
-        tmp.unlink(missing_ok=True)
 
 
 #: Bytes staged before one write; page-aligned memory so the write can bypass the page cache.
@@ -173,10 +119,7 @@ class _ShardWriter:
         self._left = 0
         self._stage = mmap.mmap(-1, STAGE_BYTES)  # anonymous mappings are page-aligned
         self._staged = 0
-        self._hash = xxhash.xxh3_64()
-        self._block_hash = xxhash.xxh3_64()
-        self._block_left = CHECK_BLOCK_BYTES
-        self._blocks: list[str] = []
+        self._hash = BlockHasher()
         self.shards: list[ShardInfo] = []
         self._next()
 
@@ -222,14 +165,15 @@ class _ShardWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             i = self._index
+            digest, blocks = self._hash.finish()
             self.shards.append(
                 ShardInfo(
                     path=f"{self._rel}/shard-{i:05d}.edb",
                     first_row=i * self._rows_per_shard,
                     rows=self._rows[i],
                     bytes=self._sizes[i],
-                    xxh3_64=self._hash.hexdigest(),
-                    blocks=tuple(self._blocks),
+                    xxh3_64=digest,
+                    blocks=blocks,
                 )
             )
             self._fd = -1
@@ -239,22 +183,13 @@ class _ShardWriter:
             self._fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             self._set_direct(hasattr(os, "O_DIRECT"))
             self._left = self._sizes[self._index]
-            self._hash = xxhash.xxh3_64()
-            self._block_hash = xxhash.xxh3_64()
-            self._block_left = CHECK_BLOCK_BYTES
-            self._blocks = []
+            self._hash = BlockHasher()
 
     def write(self, data: memoryview) -> None:
         while len(data):
-            n = min(len(data), self._left, self._block_left, STAGE_BYTES - self._staged)
+            n = min(len(data), self._left, STAGE_BYTES - self._staged)
             part = data[:n]
             self._hash.update(part)
-            self._block_hash.update(part)
-            self._block_left -= n
-            if self._block_left == 0 or n == self._left:
-                self._blocks.append(self._block_hash.hexdigest())
-                self._block_hash = xxhash.xxh3_64()
-                self._block_left = CHECK_BLOCK_BYTES
             self._stage[self._staged : self._staged + n] = part
             self._staged += n
             data = data[n:]
@@ -390,11 +325,9 @@ def build(
                 f"table {table!r} already exists in {str(db)!r}; use force=True / --force"
             )
         collect_garbage(db, current)
-        gen_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        gen_id = new_generation_id()
         tdir = db / table
-        tdir.mkdir(exist_ok=True)
-        staging = tdir / f".staging-{gen_id}"
-        staging.mkdir()
+        staging = new_staging_dir(tdir, gen_id)
         final_rel = f"{table}/g-{gen_id}"
         try:
             writer = _ShardWriter(
@@ -413,9 +346,9 @@ def build(
                             progress(len(chunk))
             finally:
                 writer.close()
-            _fsync_dir(staging)
+            fsync_dir(staging)
             os.rename(staging, db / final_rel)
-            _fsync_dir(tdir)
+            fsync_dir(tdir)
             info = TableInfo(
                 name=table,
                 row_bytes=row_bytes,

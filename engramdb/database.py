@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-import builtins
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engramdb.disk.files import open_shards
+from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
-    CorruptManifest,
-    DatabaseNotFound,
     InvalidArgument,
     StoreClosed,
     TableNotFound,
 )
 from engramdb.io import BACKENDS
-from engramdb.layouts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from engramdb.store import Store, open_shards
-
-
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Parse ``<path>/manifest.json``; `DatabaseNotFound` if there is none."""
-    mpath = Path(path) / MANIFEST_NAME
-    try:
-        with builtins.open(mpath, "rb") as f:
-            text = f.read(MAX_MANIFEST_BYTES + 1)
-    except (FileNotFoundError, NotADirectoryError):
-        raise DatabaseNotFound(
-            f"no EngramDB database at {str(path)!r} (no {MANIFEST_NAME})"
-        ) from None
-    if len(text) > MAX_MANIFEST_BYTES:
-        raise CorruptManifest(f"manifest of {str(path)!r} exceeds {MAX_MANIFEST_BYTES} bytes")
-    return parse_manifest(text)
+from engramdb.store import Store
 
 
 class Database:

@@ -28,6 +28,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from engramdb.disk.files import atomic_writer, fsync_dir
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptFile,
@@ -41,7 +42,6 @@ from engramdb.errors import (
 )
 from engramdb.keygen import Hasher, TokenMap, preset
 from engramdb.keygen._core import LayerTables, contexts_ext
-from engramdb.keygen._files import atomic_writer, fsync_dir
 
 FORMAT = "engramdb-index"
 VERSION = 1
@@ -619,7 +619,7 @@ def build_index(
     }
     with atomic_writer(out_dir / "index.json") as fh:
         fh.write((json.dumps(meta, indent=1) + "\n").encode())
-    fsync_dir(out_dir)
+    fsync_dir(out_dir, strict=False)
     return IndexSummary(
         table=table_name,
         layer=lt.layer,

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from engramdb._durable import atomic_write_bytes
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptFile,
@@ -31,7 +32,6 @@ from engramdb.errors import (
     ShapeMismatch,
 )
 from engramdb.keygen._core import check_range, to_int64
-from engramdb.keygen._files import atomic_write_bytes
 
 SENTINEL = "\ue000"  # private-use char standing in for a whitespace-only token during Strip
 FORMAT = "engramdb-token-map"

@@ -40,14 +40,35 @@ def check_table_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class ShardInfo:
+class FileEntry:
+    """One file as the manifest names it: path, size, xxh3-64 and per-block checksums.
+
+    The one file-entry type: a table's shards (`ShardInfo`) and a view's files
+    (``layouts.view.ViewFile``) are file entries, which `engramdb.disk.checksum` writes and
+    checks.
+    """
+
     path: str  # relative to the database directory, '/'-separated
-    first_row: int
-    rows: int
     bytes: int
     xxh3_64: str
-    #: xxh3-64 of each CHECK_BLOCK_BYTES block of the shard, so `verify` can name a byte range.
+    #: xxh3-64 of each CHECK_BLOCK_BYTES block of the file, so `verify` can name a byte range.
     blocks: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "bytes": self.bytes,
+            "xxh3_64": self.xxh3_64,
+            "blocks": list(self.blocks),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo(FileEntry):
+    """A table shard: a `FileEntry` plus the rows it holds (construct with keywords)."""
+
+    first_row: int
+    rows: int
 
     def to_dict(self) -> dict[str, Any]:
         return {
