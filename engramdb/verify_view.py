@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
-from engramdb.database import read_manifest
+from engramdb.disk.checksum import Problem, check_file
+from engramdb.disk.publish import read_manifest
 from engramdb.errors import EngramDBError, TableNotFound
 from engramdb.keygen import Hasher
-from engramdb.layouts.manifest import CHECK_BLOCK_BYTES
 from engramdb.layouts.view import (
     HEADER_BYTES,
-    ViewFile,
     key_index_sections,
     parse_views,
     source_hash,
@@ -33,77 +30,13 @@ from engramdb.view import View
 __all__ = ["ViewProblem", "verify_views", "views_bytes"]
 
 
-@dataclass(frozen=True)
-class ViewProblem:
-    """One thing `verify_views` found wrong, with the file's byte range ``[start, end)``."""
-
-    table: str
-    view: str
-    file: str
-    start: int
-    end: int
-    what: str
-
-    def line(self) -> str:
-        return (
-            f"table {self.table!r} view {self.view!r} file {self.file!r} bytes "
-            f"[{self.start}, {self.end}): {self.what}"
-        )
+#: The one problem type (`engramdb.disk.checksum.Problem`); view problems carry ``view=``.
+ViewProblem = Problem
 
 
-_VERIFY_READ = 8 * 1024 * 1024
-
-
-def _check_file(
-    db: Path, table: str, view: str, vf: ViewFile, progress: Callable[[int], None] | None
-) -> list[ViewProblem]:
-    def problem(start: int, end: int, what: str) -> ViewProblem:
-        return ViewProblem(table, view, vf.path, start, end, what)
-
-    try:
-        f = open(db / vf.path, "rb", buffering=0)
-    except FileNotFoundError:
-        return [problem(0, vf.bytes, "file is missing")]
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != vf.bytes:
-            return [
-                problem(
-                    min(size, vf.bytes),
-                    max(size, vf.bytes),
-                    f"size is {size}, manifest says {vf.bytes}",
-                )
-            ]
-        found: list[ViewProblem] = []
-        whole, block = xxhash.xxh3_64(), xxhash.xxh3_64()
-        buf = memoryview(bytearray(_VERIFY_READ))
-        pos = block_start = index = 0
-        while pos < size:
-            want = min(_VERIFY_READ, size - pos, block_start + CHECK_BLOCK_BYTES - pos)
-            n = f.readinto(buf[:want])
-            if not n:
-                return found + [problem(pos, size, "unexpected end of file")]
-            whole.update(buf[:n])
-            block.update(buf[:n])
-            pos += n
-            if progress is not None:
-                progress(n)
-            if pos - block_start == CHECK_BLOCK_BYTES or pos == size:
-                if vf.blocks and index < len(vf.blocks) and block.hexdigest() != vf.blocks[index]:
-                    found.append(problem(block_start, pos, "block checksum mismatch"))
-                block, block_start, index = xxhash.xxh3_64(), pos, index + 1
-        if whole.hexdigest() != vf.xxh3_64 and not found:
-            found.append(
-                problem(0, size, f"xxh3-64 is {whole.hexdigest()}, manifest says {vf.xxh3_64}")
-            )
-        return found
-
-
-def _check_slots(
-    view: View, store: Store, slots: np.ndarray, batch: int = 4096
-) -> list[ViewProblem]:
+def _check_slots(view: View, store: Store, slots: np.ndarray, batch: int = 4096) -> list[Problem]:
     """Compare slots with the concatenation of their Store-I rows (vectorised per batch)."""
-    found: list[ViewProblem] = []
+    found: list[Problem] = []
     pad = view.slot_bytes - view.record_bytes
     keys = view.slot_keys() if view.source == "keys" else None
     path = view.entry.data.path
@@ -123,60 +56,60 @@ def _check_slots(
             sl = int(s[b])
             start = HEADER_BYTES + sl * view.slot_bytes
             found.append(
-                ViewProblem(
+                Problem(
                     view.table,
-                    view.name,
                     path,
                     start,
                     start + view.slot_bytes,
                     f"slot {sl} differs from its Store-I rows {rows[b].tolist()}",
+                    view=view.name,
                 )
             )
         if bad.shape[0] > 16:
             found.append(
-                ViewProblem(
+                Problem(
                     view.table,
-                    view.name,
                     path,
                     0,
                     0,
                     f"{bad.shape[0] - 16} more bad slots in this batch",
+                    view=view.name,
                 )
             )
     return found
 
 
-def _check_index(view: View, full: bool, sample: np.ndarray) -> list[ViewProblem]:
+def _check_index(view: View, full: bool, sample: np.ndarray) -> list[Problem]:
     index = view.key_index()
     vf = view.entry.index
     assert vf is not None
     path = vf.path
-    found: list[ViewProblem] = []
+    found: list[Problem] = []
     n = view.n_records
     h_off, k_off, s_off = key_index_sections(n, view.key_width)
     hashes = np.asarray(index.hashes)
     if n > 1 and bool((hashes[1:] < hashes[:-1]).any()):
         i = int(np.argmax(hashes[1:] < hashes[:-1]))
         found.append(
-            ViewProblem(
+            Problem(
                 view.table,
-                view.name,
                 path,
                 h_off + 8 * i,
                 h_off + 8 * i + 16,
                 "key hashes are not sorted",
+                view=view.name,
             )
         )
     slot_of = np.asarray(index.slot_of).astype(np.int64)
     if n and (int(slot_of.max()) >= n or bool((np.bincount(slot_of, minlength=n) != 1).any())):
         found.append(
-            ViewProblem(
+            Problem(
                 view.table,
-                view.name,
                 path,
                 s_off,
                 s_off + 4 * n,
                 "slots are not a permutation of the view's slots",
+                view=view.name,
             )
         )
     entries = np.arange(n) if full else sample[sample < n]
@@ -187,13 +120,13 @@ def _check_index(view: View, full: bool, sample: np.ndarray) -> list[ViewProblem
         for b in bad[:16].tolist():
             e = int(entries[b])
             found.append(
-                ViewProblem(
+                Problem(
                     view.table,
-                    view.name,
                     path,
                     k_off + 8 * view.key_width * e,
                     k_off + 8 * view.key_width * (e + 1),
                     f"key {keys[b].tolist()} does not hash to its stored hash",
+                    view=view.name,
                 )
             )
     return found
@@ -208,7 +141,7 @@ def verify_views(
     hashers: dict[str, Hasher] | None = None,
     progress: Callable[[int], None] | None = None,
     notes: Callable[[str], None] | None = None,
-) -> list[ViewProblem]:
+) -> list[Problem]:
     """Check every view of ``tables`` (default all): file sizes and xxh3-64 (whole and per
     64 MiB block) against the manifest, headers, staleness, the key index (sorted hashes,
     slot permutation, stored hashes of ``sample`` keys or all with ``full``), and that
@@ -222,7 +155,7 @@ def verify_views(
     db = Path(db_path)
     manifest = read_manifest(db)
     names = list(tables) if tables else sorted(manifest.tables)
-    found: list[ViewProblem] = []
+    found: list[Problem] = []
     rng = np.random.default_rng(0)
     for tname in names:
         info = manifest.tables.get(tname)
@@ -236,18 +169,18 @@ def verify_views(
             for vname, entry in sorted(entries.items()):
                 bad_files = False
                 for vf in entry.files:
-                    probs = _check_file(db, tname, vname, vf, progress)
+                    probs = check_file(db, vf, "file", table=tname, view=vname, progress=progress)
                     found.extend(probs)
                     bad_files = bad_files or bool(probs)
                 if entry.source_hash != source_hash(info):
                     found.append(
-                        ViewProblem(
+                        Problem(
                             tname,
-                            vname,
                             entry.data.path,
                             0,
                             HEADER_BYTES,
                             "stale: built from another version of the table",
+                            view=vname,
                         )
                     )
                     continue
@@ -260,13 +193,13 @@ def verify_views(
                     )
                 except EngramDBError as e:
                     found.append(
-                        ViewProblem(
+                        Problem(
                             tname,
-                            vname,
                             entry.data.path,
                             0,
                             HEADER_BYTES,
                             f"cannot open: {type(e).__name__}: {e}",
+                            view=vname,
                         )
                     )
                     continue

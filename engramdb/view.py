@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engramdb.database import read_manifest
+from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     CorruptFile,
     EngramDBError,

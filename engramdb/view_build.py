@@ -20,10 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from engramdb._version import __version__
-from engramdb.build import database_lock, read_manifest_or_empty, write_manifest
+from engramdb.disk.checksum import HashedWriter
+from engramdb.disk.files import fsync_dir, mem_available
+from engramdb.disk.publish import (
+    collect_garbage,
+    database_lock,
+    new_staging_dir,
+    read_manifest_or_empty,
+    write_manifest,
+)
 from engramdb.errors import (
     EngramDBError,
     InvalidArgument,
@@ -44,7 +51,7 @@ from engramdb.layouts.keys import (
     hasher_fingerprint,
     slot_size,
 )
-from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, Manifest, TableInfo, check_table_name
+from engramdb.layouts.manifest import FileEntry, Manifest, TableInfo, check_table_name
 from engramdb.layouts.view import (
     HASH_CUSTOM,
     HASH_XXH64,
@@ -55,7 +62,6 @@ from engramdb.layouts.view import (
     KeyIndexHeader,
     RowsHeader,
     ViewEntry,
-    ViewFile,
     ViewHeader,
     budget_keys,
     bytes_per_key,
@@ -102,69 +108,6 @@ def _int64_matrix(arr: np.ndarray, what: str, width: int | None = None) -> np.nd
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class _HashedFile:
-    """A new file written front to back, hashed as it goes (whole file + 64 MiB blocks)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self._whole = xxhash.xxh3_64()
-        self._block = xxhash.xxh3_64()
-        self._block_left = CHECK_BLOCK_BYTES
-        self.blocks: list[str] = []
-        self.size = 0
-
-    def write(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        self._whole.update(mv)
-        while len(mv):
-            n = min(len(mv), self._block_left)
-            self._block.update(mv[:n])
-            self._block_left -= n
-            if self._block_left == 0:
-                self.blocks.append(self._block.hexdigest())
-                self._block = xxhash.xxh3_64()
-                self._block_left = CHECK_BLOCK_BYTES
-            done = 0
-            while done < n:
-                done += os.write(self._fd, mv[done:n])
-            mv = mv[n:]
-            self.size += n
-
-    def finish(self, rel_path: str) -> ViewFile:
-        """fsync and close; the manifest entry for the file once it is at ``rel_path``."""
-        if self._block_left != CHECK_BLOCK_BYTES:
-            self.blocks.append(self._block.hexdigest())
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        return ViewFile(rel_path, self.size, self._whole.hexdigest(), tuple(self.blocks))
-
-    def abort(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 @dataclass(frozen=True)
 class ViewBuildSummary:
     """What one `build_view` did. Sizes in bytes, time in seconds."""
@@ -193,24 +136,6 @@ class ViewBuildSummary:
             f"{self.record_bytes} B{kept}, {self.bytes / 1e9:.3f} GB written, "
             f"{self.rows_fetched:,} rows gathered in {self.seconds:.2f} s ({rate:.2f} GB/s)"
         )
-
-
-def _collect_view_garbage(db: Path, manifest: Manifest) -> None:
-    """Delete view files and staging directories the manifest does not name (lock held)."""
-    for name, info in manifest.tables.items():
-        vdir = db / name / "views"
-        if not vdir.is_dir():
-            continue
-        try:
-            named = {f.path for e in parse_views(info).values() for f in e.files}
-        except EngramDBError:
-            continue  # never delete on the word of a manifest we cannot read
-        for p in vdir.iterdir():
-            rel = f"{name}/views/{p.name}"
-            if p.is_dir() and p.name.startswith(".staging-"):
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.is_file() and rel not in named:
-                p.unlink(missing_ok=True)
 
 
 def build_view(
@@ -287,7 +212,7 @@ def build_view(
         store = Store(db, info)
         try:
             if populate or (
-                populate is None and info.n_rows * info.row_bytes * 2 <= _mem_available()
+                populate is None and info.n_rows * info.row_bytes * 2 <= mem_available()
             ):
                 store.populate()
             entry, fetched = _write_view(db, info, name, src, store, batch_bytes, progress, current)
@@ -311,7 +236,7 @@ def build_view(
             for f in entry.files:
                 (db / f.path).unlink(missing_ok=True)
             raise
-        _collect_view_garbage(db, new)
+        collect_garbage(db, new, tables=False)
     return ViewBuildSummary(
         table=table,
         name=name,
@@ -512,9 +437,7 @@ def _write_view(
     build_id = secrets.randbits(64)
     tag = f"{name}-{build_id:016x}"
     vdir = db / info.name / "views"
-    vdir.mkdir(parents=True, exist_ok=True)
-    staging = vdir / f".staging-{build_id:016x}"
-    staging.mkdir()
+    staging = new_staging_dir(vdir, f"{build_id:016x}")
     rel = f"{info.name}/views/{tag}"
     n = src.n_records
     header = ViewHeader(
@@ -532,7 +455,7 @@ def _write_view(
     )
     moved: list[Path] = []
     try:
-        data = _HashedFile(staging / f"{tag}{VIEW_SUFFIX}")
+        data = HashedWriter(staging / f"{tag}{VIEW_SUFFIX}")
         fetched = 0
         try:
             data.write(header.pack())
@@ -573,7 +496,7 @@ def _write_view(
             index_file = _write_key_index(staging, rel, tag, src, build_id)
         else:
             assert src.rows is not None
-            f = _HashedFile(staging / f"{tag}{ROWS_SUFFIX}")
+            f = HashedWriter(staging / f"{tag}{ROWS_SUFFIX}")
             try:
                 f.write(RowsHeader(n, src.rows_per_record, build_id, info.n_rows).pack())
                 f.write(np.ascontiguousarray(src.rows, dtype="<i8"))
@@ -581,12 +504,12 @@ def _write_view(
             except BaseException:
                 f.abort()
                 raise
-        _fsync_dir(staging)
+        fsync_dir(staging)
         for p in sorted(staging.iterdir()):
             target = vdir / p.name
             os.rename(p, target)
             moved.append(target)
-        _fsync_dir(vdir)
+        fsync_dir(vdir)
         staging.rmdir()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -619,11 +542,11 @@ def _write_view(
     return entry, fetched
 
 
-def _write_key_index(staging: Path, rel: str, tag: str, src: _Source, build_id: int) -> ViewFile:
+def _write_key_index(staging: Path, rel: str, tag: str, src: _Source, build_id: int) -> FileEntry:
     assert src.keys is not None and src.index_order is not None and src.hashes is not None
     n, width = src.keys.shape
     order = src.index_order
-    f = _HashedFile(staging / f"{tag}{KEYS_SUFFIX}")
+    f = HashedWriter(staging / f"{tag}{KEYS_SUFFIX}")
     try:
         f.write(
             KeyIndexHeader(

@@ -32,7 +32,7 @@ from engramdb.layouts.keys import (  # noqa: F401
     match_keys,
     xxh64_keys,
 )
-from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, TableInfo
+from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry, TableInfo
 
 VIEW_FORMAT_VERSION = 1
 #: Every view file starts with one header page; data starts page-aligned after it.
@@ -393,47 +393,36 @@ def plan_slot_reads(slots: np.ndarray, slot_bytes: int, *, max_request: int) -> 
 
 
 # --- the manifest entry ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class ViewFile:
-    """One file of a view as the manifest names it (like a shard entry)."""
+#: One file of a view as the manifest names it: the one file-entry type (like a shard entry).
+ViewFile = FileEntry
 
-    path: str
-    bytes: int
-    xxh3_64: str
-    blocks: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "bytes": self.bytes,
-            "xxh3_64": self.xxh3_64,
-            "blocks": list(self.blocks),
-        }
-
-    @classmethod
-    def parse(cls, d: Any, where: str, table: str) -> ViewFile:
-        if not isinstance(d, dict):
-            raise CorruptManifest(f"manifest: {where} is not an object")
-        path, size, digest = d.get("path"), d.get("bytes"), d.get("xxh3_64")
-        blocks = d.get("blocks", [])
-        if not isinstance(path, str) or not path.startswith(f"{table}/views/"):
-            raise CorruptManifest(f"manifest: {where}.path {path!r} is not under {table}/views/")
-        if ".." in path.split("/") or path.startswith("/"):
-            raise CorruptManifest(f"manifest: {where}.path {path!r} leaves the database")
-        if not isinstance(size, int) or isinstance(size, bool) or size < HEADER_BYTES:
-            raise CorruptManifest(f"manifest: {where}.bytes {size!r} is not a valid size")
-        if not isinstance(digest, str) or not _HEX64.match(digest):
-            raise CorruptManifest(f"manifest: {where}.xxh3_64 is not 16 hex digits")
-        n_blocks = -(-size // CHECK_BLOCK_BYTES)
-        if not isinstance(blocks, list) or (
-            blocks
-            and (
-                len(blocks) != n_blocks
-                or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
-            )
-        ):
-            raise CorruptManifest(f"manifest: {where}.blocks does not hold {n_blocks} checksums")
-        return cls(path=path, bytes=size, xxh3_64=digest, blocks=tuple(blocks))
+def parse_view_file(d: Any, where: str, table: str) -> FileEntry:
+    """The `FileEntry` of manifest object ``d`` (``where`` names it in errors), a file of a
+    view of ``table``: checked to lie under ``<table>/views/``, at least a header page long,
+    with a valid xxh3-64 and one block checksum per `CHECK_BLOCK_BYTES` (or none)."""
+    if not isinstance(d, dict):
+        raise CorruptManifest(f"manifest: {where} is not an object")
+    path, size, digest = d.get("path"), d.get("bytes"), d.get("xxh3_64")
+    blocks = d.get("blocks", [])
+    if not isinstance(path, str) or not path.startswith(f"{table}/views/"):
+        raise CorruptManifest(f"manifest: {where}.path {path!r} is not under {table}/views/")
+    if ".." in path.split("/") or path.startswith("/"):
+        raise CorruptManifest(f"manifest: {where}.path {path!r} leaves the database")
+    if not isinstance(size, int) or isinstance(size, bool) or size < HEADER_BYTES:
+        raise CorruptManifest(f"manifest: {where}.bytes {size!r} is not a valid size")
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise CorruptManifest(f"manifest: {where}.xxh3_64 is not 16 hex digits")
+    n_blocks = -(-size // CHECK_BLOCK_BYTES)
+    if not isinstance(blocks, list) or (
+        blocks
+        and (
+            len(blocks) != n_blocks
+            or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
+        )
+    ):
+        raise CorruptManifest(f"manifest: {where}.blocks does not hold {n_blocks} checksums")
+    return FileEntry(path=path, bytes=size, xxh3_64=digest, blocks=tuple(blocks))
 
 
 @dataclass(frozen=True)
@@ -441,9 +430,9 @@ class ViewEntry:
     """A view as recorded in its table's ``"views"`` field of ``manifest.json``."""
 
     name: str
-    data: ViewFile
-    index: ViewFile | None
-    rows: ViewFile | None
+    data: FileEntry
+    index: FileEntry | None
+    rows: FileEntry | None
     slots: int
     slot_bytes: int
     record_bytes: int
@@ -479,7 +468,7 @@ class ViewEntry:
         }
 
     @property
-    def files(self) -> list[ViewFile]:
+    def files(self) -> list[FileEntry]:
         return [f for f in (self.data, self.index, self.rows) if f is not None]
 
     @classmethod
@@ -505,11 +494,11 @@ class ViewEntry:
         key_hash = d.get("key_hash", "xxh64")
         if key_hash not in ("xxh64", "custom"):
             raise CorruptManifest(f"manifest: {where}.key_hash {key_hash!r} is unknown")
-        data = ViewFile.parse(d.get("file"), f"{where}.file", table)
+        data = parse_view_file(d.get("file"), f"{where}.file", table)
         index = (
-            None if d.get("index") is None else ViewFile.parse(d["index"], f"{where}.index", table)
+            None if d.get("index") is None else parse_view_file(d["index"], f"{where}.index", table)
         )
-        rows = None if d.get("rows") is None else ViewFile.parse(d["rows"], f"{where}.rows", table)
+        rows = None if d.get("rows") is None else parse_view_file(d["rows"], f"{where}.rows", table)
         if (source == "keys") != (index is not None) or (source == "rows") != (rows is not None):
             raise CorruptManifest(f"manifest: {where} lacks the file its source needs")
         hasher = d.get("hasher")

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from engramdb.database import read_manifest
+from engramdb.disk.files import open_checked
+from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     CorruptFile,
     EngramDBError,
@@ -44,13 +45,12 @@ from engramdb.io.mapping import (
 )
 from engramdb.io.records_rule import DIRECT, MAPPED, MAX_READ_BYTES, RecordRule
 from engramdb.io.residency import resident_count
-from engramdb.layouts.manifest import TableInfo
+from engramdb.layouts.manifest import FileEntry, TableInfo
 from engramdb.layouts.view import (
     HEADER_BYTES,
     KeyIndexHeader,
     RowsHeader,
     ViewEntry,
-    ViewFile,
     ViewHeader,
     key_index_sections,
     parse_views,
@@ -62,21 +62,6 @@ from engramdb.validate import as_rowids, check_bounds, check_output
 __all__ = ["KeyIndex", "RecordFile", "Scratch", "find_entry", "read_header_page"]
 
 _R = TypeVar("_R", bound="RecordFile")
-
-
-def _open_checked(db: Path, vf: ViewFile, what: str) -> int:
-    """Open a view file read-only; its size must equal the manifest's."""
-    path = db / vf.path
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise TruncatedFile(f"{what}: file {vf.path!r} is missing") from None
-    size = os.fstat(fd).st_size
-    if size != vf.bytes:
-        os.close(fd)
-        kind = TruncatedFile if size < vf.bytes else CorruptFile
-        raise kind(f"{what}: file {vf.path!r} has {size} bytes, the manifest says {vf.bytes}")
-    return fd
 
 
 def read_header_page(fd: int, what: str) -> bytes:
@@ -219,7 +204,7 @@ class RecordFile:
 
     def _open_files(self, db: Path, info: TableInfo, entry: ViewEntry) -> None:
         what = f"view {entry.name!r} of table {info.name!r}"
-        fd = _open_checked(db, entry.data, what)
+        fd = open_checked(db, entry.data.path, entry.data.bytes, what)
         self._fds.append(fd)
         hdr = ViewHeader.unpack(read_header_page(fd, f"{what} ({entry.data.path})"), what)
         expect = (
@@ -299,11 +284,11 @@ class RecordFile:
             self._rows = rflat[HEADER_BYTES:].view("<i8").reshape(rh.n_records, rh.rows_per_record)
 
     def _map_sidecar(
-        self, db: Path, vf: ViewFile, what: str, header_cls: Any
+        self, db: Path, vf: FileEntry, what: str, header_cls: Any
     ) -> tuple[Any, np.ndarray]:
         """Open a side file of the view (key index, rows), parse its header page and map it
         whole; returns the header and the file's bytes as a flat uint8 array."""
-        fd = _open_checked(db, vf, what)
+        fd = open_checked(db, vf.path, vf.bytes, what)
         self._fds.append(fd)
         header = header_cls.unpack(read_header_page(fd, f"{what} ({vf.path})"), what)
         mapping = ShardMapping([fd], [vf.bytes])
