@@ -1,1 +1,3 @@
-"""The engine under every handle: read planning, the RAM tier, prefetch, local tables, view records."""
+"""The read engine under every local handle: read planning (`plan`), the RAM tier (`cache`),
+background reads (`prefetch`, over its `RowSource` protocol) and `table.LocalTable`, the
+table with the package's trusted read API for validated ids."""
