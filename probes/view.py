@@ -39,21 +39,18 @@ from common import interleave, median, rate, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb import keygen  # noqa: E402
+from engramdb.cli.bench import LatencyResult, measure_latency, measure_throughput  # noqa: E402
 from engramdb.index import build_index  # noqa: E402
 from engramdb.io import make_backend  # noqa: E402
 from engramdb.io.mapping import MADV_POPULATE_READ, madvise  # noqa: E402
-from engramdb.view import (  # noqa: E402
-    LatencyResult,
-    View,
-    build_view,
-    measure_latency,
-    measure_throughput,
-)
+from engramdb.view import View  # noqa: E402
+from engramdb.view_build import build_view  # noqa: E402
 
 BATCH = 16_384
 LAT_CHILD = """
 import json, sys
-from engramdb.view import View, measure_latency
+from engramdb.cli.bench import measure_latency
+from engramdb.view import View
 with View(sys.argv[1], table="ple", name="corpus", backend="mmap") as v:
     reps = [measure_latency(v, steps=int(sys.argv[2]), warmup=2000, seed=r).as_dict()
             for r in range(int(sys.argv[3]))]

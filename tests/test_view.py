@@ -30,6 +30,7 @@ from engramdb.errors import (
 )
 from engramdb.index import build_index
 from engramdb.io import IoUringBackend
+from engramdb.testing.dbs import SMALL_BADGE, TableSpec, make_db, random_rows
 from engramdb.view import (
     View,
     build_view,
@@ -39,8 +40,6 @@ from engramdb.view import (
     verify_views,
 )
 
-# Small badges so that small tables still span several shards.
-SMALL_BADGE = {160: 128, 264: 512}
 # A small Qwen-style layout: 3-grams, 2 orders x 3 heads = 6 rows per key, ~1,900 rows.
 QWEN_SMALL = {
     "vocab_size": 50,
@@ -62,12 +61,15 @@ def make_table(
     db: Path, h: keygen.Hasher, row_bytes: int, seed: int, *, table: str = "t", force: bool = False
 ) -> np.ndarray:
     """A table laid out for ``h`` (one head per column, a padding head for the rest), with
-    several shards; returns its rows."""
+    several shards; returns its rows. ``force`` rebuilds an existing table in place."""
     heads = [int(r) for r in h.head_rows()]
     pad = h.table_rows() - sum(heads)
     heads += [pad] if pad else []
-    data = np.random.default_rng(seed).integers(0, 256, (sum(heads), row_bytes), np.uint8)
     badge = SMALL_BADGE[row_bytes]
+    spec = TableSpec(row_bytes, heads, rows_per_badge=badge, shard_bytes=3 * badge * row_bytes)
+    if not force:
+        return make_db(db.parent, {table: spec}, seed=seed, name=db.name)[1][table]
+    data = random_rows(np.random.default_rng(seed), sum(heads), row_bytes)  # make_db's rows
     engramdb.build(
         db,
         table,
@@ -75,8 +77,8 @@ def make_table(
         [data],
         heads=heads,
         rows_per_badge=badge,
-        shard_bytes=3 * badge * row_bytes,
-        force=force,
+        shard_bytes=spec.shard_bytes,
+        force=True,
     )
     return data
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,15 @@ import numpy as np
 import xxhash
 
 from engramdb.errors import CorruptFile, CorruptManifest, InvalidArgument
-from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, TableInfo
+
+# The key math moved to `engramdb.layouts.keys`; these names stay importable from here.
+from engramdb.layouts.keys import (  # noqa: F401
+    KeyHash,
+    default_key_hash,
+    match_keys,
+    xxh64_keys,
+)
+from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry, TableInfo
 
 VIEW_FORMAT_VERSION = 1
 #: Every view file starts with one header page; data starts page-aligned after it.
@@ -47,8 +54,6 @@ CHECKSUM_AT = HEADER_BYTES - 8
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
-
-KeyHash = Callable[[np.ndarray], np.ndarray]
 
 
 def check_view_name(name: str) -> str:
@@ -79,77 +84,6 @@ def source_hash(info: TableInfo) -> str:
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_64_hexdigest(text.encode())
-
-
-# --- XXH64 of fixed-width int64 keys, vectorised --------------------------------------------
-_M64 = (1 << 64) - 1
-_P1, _P2, _P3, _P4, _P5 = (
-    0x9E3779B185EBCA87,
-    0xC2B2AE3D27D4EB4F,
-    0x165667B19E3779F9,
-    0x85EBCA77C2B2AE63,
-    0x27D4EB2F165667C5,
-)
-_U = np.uint64
-
-
-def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return (x << _U(r)) | (x >> _U(64 - r))
-
-
-def _round(acc: np.ndarray, lane: np.ndarray) -> np.ndarray:
-    acc = acc + lane * _U(_P2)
-    return _rotl(acc, 31) * _U(_P1)
-
-
-def xxh64_keys(keys: np.ndarray, seed: int = 0) -> np.ndarray:
-    """XXH64 (``seed``) of each row's little-endian int64 bytes: uint64 ``[K]`` for ``[K, W]``.
-
-    Bit-identical to ``xxhash.xxh64_intdigest(row.astype("<i8").tobytes(), seed)``; computed
-    column by column with wrapping uint64 numpy arithmetic (uint64 array ops wrap without a
-    warning), so the cost is ~20 passes over ``K`` values for ``W <= 4``: ~15 ns per key.
-    """
-    k = np.ascontiguousarray(keys, dtype="<i8")
-    if k.ndim != 2:
-        raise InvalidArgument(f"keys must be 2-D [K, W], got shape {k.shape}")
-    n, width = k.shape
-    lanes = k.view(np.uint64)
-    seed &= _M64
-    length = 8 * width
-    col = 0
-    if length >= 32:
-        v1 = np.full(n, (seed + _P1 + _P2) & _M64, dtype=np.uint64)
-        v2 = np.full(n, (seed + _P2) & _M64, dtype=np.uint64)
-        v3 = np.full(n, seed, dtype=np.uint64)
-        v4 = np.full(n, (seed - _P1) & _M64, dtype=np.uint64)
-        while width - col >= 4:
-            v1 = _round(v1, lanes[:, col])
-            v2 = _round(v2, lanes[:, col + 1])
-            v3 = _round(v3, lanes[:, col + 2])
-            v4 = _round(v4, lanes[:, col + 3])
-            col += 4
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        for v in (v1, v2, v3, v4):
-            h = (h ^ _round(np.zeros_like(v), v)) * _U(_P1) + _U(_P4)
-    else:
-        h = np.full(n, (seed + _P5) & _M64, dtype=np.uint64)
-    h = h + _U(length)
-    zero = np.zeros(n, dtype=np.uint64)
-    while col < width:
-        h = h ^ _round(zero, lanes[:, col])
-        h = _rotl(h, 27) * _U(_P1) + _U(_P4)
-        col += 1
-    h ^= h >> _U(33)
-    h *= _U(_P2)
-    h ^= h >> _U(29)
-    h *= _U(_P3)
-    h ^= h >> _U(32)
-    return h
-
-
-def default_key_hash(keys: np.ndarray) -> np.ndarray:
-    """The format's key hash: XXH64, seed 0, of each key's ``<i8`` bytes."""
-    return xxh64_keys(keys, 0)
 
 
 # --- headers --------------------------------------------------------------------------------
@@ -458,86 +392,37 @@ def plan_slot_reads(slots: np.ndarray, slot_bytes: int, *, max_request: int) -> 
     )
 
 
-# --- key matching ---------------------------------------------------------------------------
-def match_keys(
-    sorted_hashes: np.ndarray,
-    sorted_keys: np.ndarray,
-    slot_of: np.ndarray,
-    query_keys: np.ndarray,
-    query_hashes: np.ndarray,
-) -> np.ndarray:
-    """Slot of every query key (int64, -1 for a miss), by hash search confirmed by the key.
-
-    One ``searchsorted`` finds each query's first index entry with an equal hash; the stored
-    key at that entry must equal the query in every column. A query whose hash equals a
-    stored hash but whose key differs moves on to the next entry of the same hash, so a
-    collision costs one more vectorised round over the colliding queries only; a key is never
-    given the slot of another key.
-    """
-    m = query_hashes.shape[0]
-    result = np.full(m, -1, dtype=np.int64)
-    k = sorted_hashes.shape[0]
-    if k == 0 or m == 0:
-        return result
-    pos = np.searchsorted(sorted_hashes, query_hashes)
-    active = np.flatnonzero(pos < k)
-    p = pos[active]
-    while active.shape[0]:
-        same = np.asarray(sorted_hashes[p]) == query_hashes[active]
-        active, p = active[same], p[same]
-        if not active.shape[0]:
-            break
-        eq = (np.asarray(sorted_keys[p]) == query_keys[active]).all(axis=1)
-        result[active[eq]] = slot_of[p[eq]]
-        miss = ~eq
-        active, p = active[miss], p[miss] + 1
-        inside = p < k
-        active, p = active[inside], p[inside]
-    return result
-
-
 # --- the manifest entry ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class ViewFile:
-    """One file of a view as the manifest names it (like a shard entry)."""
+#: One file of a view as the manifest names it: the one file-entry type (like a shard entry).
+ViewFile = FileEntry
 
-    path: str
-    bytes: int
-    xxh3_64: str
-    blocks: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "bytes": self.bytes,
-            "xxh3_64": self.xxh3_64,
-            "blocks": list(self.blocks),
-        }
-
-    @classmethod
-    def parse(cls, d: Any, where: str, table: str) -> ViewFile:
-        if not isinstance(d, dict):
-            raise CorruptManifest(f"manifest: {where} is not an object")
-        path, size, digest = d.get("path"), d.get("bytes"), d.get("xxh3_64")
-        blocks = d.get("blocks", [])
-        if not isinstance(path, str) or not path.startswith(f"{table}/views/"):
-            raise CorruptManifest(f"manifest: {where}.path {path!r} is not under {table}/views/")
-        if ".." in path.split("/") or path.startswith("/"):
-            raise CorruptManifest(f"manifest: {where}.path {path!r} leaves the database")
-        if not isinstance(size, int) or isinstance(size, bool) or size < HEADER_BYTES:
-            raise CorruptManifest(f"manifest: {where}.bytes {size!r} is not a valid size")
-        if not isinstance(digest, str) or not _HEX64.match(digest):
-            raise CorruptManifest(f"manifest: {where}.xxh3_64 is not 16 hex digits")
-        n_blocks = -(-size // CHECK_BLOCK_BYTES)
-        if not isinstance(blocks, list) or (
-            blocks
-            and (
-                len(blocks) != n_blocks
-                or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
-            )
-        ):
-            raise CorruptManifest(f"manifest: {where}.blocks does not hold {n_blocks} checksums")
-        return cls(path=path, bytes=size, xxh3_64=digest, blocks=tuple(blocks))
+def parse_view_file(d: Any, where: str, table: str) -> FileEntry:
+    """The `FileEntry` of manifest object ``d`` (``where`` names it in errors), a file of a
+    view of ``table``: checked to lie under ``<table>/views/``, at least a header page long,
+    with a valid xxh3-64 and one block checksum per `CHECK_BLOCK_BYTES` (or none)."""
+    if not isinstance(d, dict):
+        raise CorruptManifest(f"manifest: {where} is not an object")
+    path, size, digest = d.get("path"), d.get("bytes"), d.get("xxh3_64")
+    blocks = d.get("blocks", [])
+    if not isinstance(path, str) or not path.startswith(f"{table}/views/"):
+        raise CorruptManifest(f"manifest: {where}.path {path!r} is not under {table}/views/")
+    if ".." in path.split("/") or path.startswith("/"):
+        raise CorruptManifest(f"manifest: {where}.path {path!r} leaves the database")
+    if not isinstance(size, int) or isinstance(size, bool) or size < HEADER_BYTES:
+        raise CorruptManifest(f"manifest: {where}.bytes {size!r} is not a valid size")
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise CorruptManifest(f"manifest: {where}.xxh3_64 is not 16 hex digits")
+    n_blocks = -(-size // CHECK_BLOCK_BYTES)
+    if not isinstance(blocks, list) or (
+        blocks
+        and (
+            len(blocks) != n_blocks
+            or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
+        )
+    ):
+        raise CorruptManifest(f"manifest: {where}.blocks does not hold {n_blocks} checksums")
+    return FileEntry(path=path, bytes=size, xxh3_64=digest, blocks=tuple(blocks))
 
 
 @dataclass(frozen=True)
@@ -545,9 +430,9 @@ class ViewEntry:
     """A view as recorded in its table's ``"views"`` field of ``manifest.json``."""
 
     name: str
-    data: ViewFile
-    index: ViewFile | None
-    rows: ViewFile | None
+    data: FileEntry
+    index: FileEntry | None
+    rows: FileEntry | None
     slots: int
     slot_bytes: int
     record_bytes: int
@@ -583,7 +468,7 @@ class ViewEntry:
         }
 
     @property
-    def files(self) -> list[ViewFile]:
+    def files(self) -> list[FileEntry]:
         return [f for f in (self.data, self.index, self.rows) if f is not None]
 
     @classmethod
@@ -609,11 +494,11 @@ class ViewEntry:
         key_hash = d.get("key_hash", "xxh64")
         if key_hash not in ("xxh64", "custom"):
             raise CorruptManifest(f"manifest: {where}.key_hash {key_hash!r} is unknown")
-        data = ViewFile.parse(d.get("file"), f"{where}.file", table)
+        data = parse_view_file(d.get("file"), f"{where}.file", table)
         index = (
-            None if d.get("index") is None else ViewFile.parse(d["index"], f"{where}.index", table)
+            None if d.get("index") is None else parse_view_file(d["index"], f"{where}.index", table)
         )
-        rows = None if d.get("rows") is None else ViewFile.parse(d["rows"], f"{where}.rows", table)
+        rows = None if d.get("rows") is None else parse_view_file(d["rows"], f"{where}.rows", table)
         if (source == "keys") != (index is not None) or (source == "rows") != (rows is not None):
             raise CorruptManifest(f"manifest: {where} lacks the file its source needs")
         hasher = d.get("hasher")

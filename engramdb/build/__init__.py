@@ -1,0 +1,29 @@
+"""Writers: tables (`engramdb.build.table`) and the corpus index (`engramdb.build.index`).
+
+Every writer publishes through `engramdb.disk.publish` (lock, staging, manifest rename,
+garbage collection). The names below are today's ``engramdb.build`` surface.
+"""
+
+from __future__ import annotations
+
+from engramdb.build.table import CHUNK_BYTES, STAGE_BYTES, BuildSummary, build, drop_table
+from engramdb.disk.publish import (
+    LOCK_NAME,
+    collect_garbage,
+    database_lock,
+    read_manifest_or_empty,
+    write_manifest,
+)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "LOCK_NAME",
+    "STAGE_BYTES",
+    "BuildSummary",
+    "build",
+    "collect_garbage",
+    "database_lock",
+    "drop_table",
+    "read_manifest_or_empty",
+    "write_manifest",
+]
