@@ -29,10 +29,12 @@ from engramdb.errors import (
     LookupBoundsError,
     LookupTypeError,
     RowIdOutOfRange,
+    StoreClosed,
     TableExists,
     TableNotFound,
 )
 from engramdb.integrations import mooncake as mc
+from engramdb.table_api import RowTable
 from engramdb.testing.dbs import TableSpec, make_db
 
 try:
@@ -318,6 +320,31 @@ def test_open_mooncake_validates_like_a_local_store(client: Any, source_db: Path
                 assert (o == 0xAB).all()
     finally:
         mc.unpublish("val", client=client)
+
+
+def test_tables_are_row_tables_and_refuse_reads_once_closed(client: Any, source_db: Path) -> None:
+    mc.publish(source_db, client=client, name="cl", tables=["small"])
+    try:
+        db = mc.open_mooncake(client=client, name="cl")
+        t = db["small"]
+        assert isinstance(t, RowTable) and not t.closed
+        assert t.to_global([[3]]).tolist() == [[3]] and t.nbytes == 50 * 8
+        with engramdb.open(source_db) as local:
+            np.testing.assert_array_equal(t.fetch([0, 49, 7]), local["small"].fetch([0, 49, 7]))
+        db.close()
+        assert t.closed
+        for call in (lambda: t.fetch([0]), lambda: t.fetch([]), lambda: db["small"]):
+            with pytest.raises(StoreClosed, match="publication 'cl' is closed"):
+                call()
+        with mc.open_mooncake(client=client, name="cl") as db2:
+            t2 = db2["small"]
+            with t2:  # a table closes on its own; the publication and its client stay open
+                assert t2.fetch([1]).shape == (1, 8)
+            with pytest.raises(StoreClosed, match="table 'small' of publication 'cl'"):
+                t2.fetch([1])
+            assert not db2.closed
+    finally:
+        mc.unpublish("cl", client=client)
 
 
 def test_host_copy_serves_locally(client: Any, source_db: Path, tmp_path: Path) -> None:
