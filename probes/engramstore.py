@@ -112,7 +112,7 @@ def main() -> None:
             fn()  # untimed warm-up
         print(f"lookup_into [{B}, {L}, {H}] x {ROW} B, rows/s:")
         res = interleave(arms, args.reps)
-        store_calls = backed._open_store(backed._layer(1)).stats()["fetch_calls"]
+        store_calls = backed.layer_store(1).stats()["fetch_calls"]
         assert store_calls > 0
         r_bound = median(res["bound"]) / median(res["numpy_heads"])
         r_db = median(res["engramdb"]) / median(res["numpy_global"])

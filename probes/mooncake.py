@@ -255,12 +255,12 @@ def main() -> None:
         print(
             f"  ranged ({args.ranged_reps} single calls, each one get_into_ranges of {rows} ranges):"
         )
-        calls0 = ranged._mooncake.counters.calls
+        calls0 = ranged.mooncake_layers.counters.calls
         res["ranged"] = []
         for r in range(args.ranged_reps):
             res["ranged"].append(big_arm("ranged")())
             print(f"    rep {r}: ranged={res['ranged'][-1] / 1e6:.4f}M")
-        assert ranged._mooncake.counters.calls - calls0 == args.ranged_reps
+        assert ranged.mooncake_layers.counters.calls - calls0 == args.ranged_reps
         print(f"  wheel EngramStore.lookup ({args.ranged_reps} single calls):")
         res["wheel"] = []
         for r in range(args.ranged_reps):
@@ -271,11 +271,11 @@ def main() -> None:
             f"{args.ranged_reps} single calls):"
         )
         res["near"] = []
-        near_calls0 = near._mooncake.counters.calls  # type: ignore[union-attr]
+        near_calls0 = near.mooncake_layers.counters.calls  # type: ignore[union-attr]
         for r in range(args.ranged_reps):
             res["near"].append(big_arm("near")())
             print(f"    rep {r}: near={res['near'][-1] / 1e6:.4f}M")
-        assert near._mooncake.counters.calls - near_calls0 == args.ranged_reps  # type: ignore[union-attr]
+        assert near.mooncake_layers.counters.calls - near_calls0 == args.ranged_reps  # type: ignore[union-attr]
         report["lookup_64x256x8_rows_per_s"] = res
 
         # ---- [1, 1, 24] latency -----------------------------------------------------------
@@ -309,13 +309,13 @@ def main() -> None:
 
         # ---- proof, memory, ratios ---------------------------------------------------------
         proof = {
-            "ranged_store_counters": ranged._mooncake.counters.as_dict(),
-            "near_store_counters": near._mooncake.counters.as_dict(),  # type: ignore[union-attr]
+            "ranged_store_counters": ranged.mooncake_layers.counters.as_dict(),
+            "near_store_counters": near.mooncake_layers.counters.as_dict(),  # type: ignore[union-attr]
             "near_replica_endpoints": near_replicas,
             "near_client": near_host,
             "host_copy_mode": [hc_big.mode, hc_dec.mode],
             "host_copy_get_into_ranges_calls": hc_big.counters.calls + hc_dec.counters.calls,
-            "local_store_fetch_calls": local._open_store(local._layer(1)).stats()["fetch_calls"],
+            "local_store_fetch_calls": local.layer_store(1).stats()["fetch_calls"],
             "host_copy_files": sorted(p.name for p in shm.glob("*.rows")),
             "wheel_lookup_failures_retried": wheel_failures[0],
         }

@@ -29,10 +29,13 @@ from engramdb.errors import (
     LookupBoundsError,
     LookupTypeError,
     RowIdOutOfRange,
+    StoreClosed,
     TableExists,
     TableNotFound,
 )
 from engramdb.integrations import mooncake as mc
+from engramdb.table_api import RowTable
+from engramdb.testing.dbs import TableSpec, make_db
 
 try:
     import mooncake.store  # noqa: F401
@@ -116,9 +119,9 @@ def test_populate_then_lookup_random_ids(client: Any, layer: Any) -> None:
         ids = rand_ids(rng, b, l)
         out = output_for(ids)
         with mc.registered(client, out):
-            calls = es._mooncake.counters.calls
+            calls = es.mooncake_layers.counters.calls
             es.lookup_into(layer_id, ids, out)
-            assert es._mooncake.counters.calls == calls + 1  # one ranged read per batch
+            assert es.mooncake_layers.counters.calls == calls + 1  # one ranged read per batch
         np.testing.assert_array_equal(out, expected(tabs, ids))
     assert all(client.is_exist(k) == 1 for k in es.get_store_keys(layer_id))
     assert repr(es).endswith("backing=mooncake>")
@@ -174,7 +177,7 @@ def test_second_client_reads_without_populating(
             es.lookup_into({layer_id}, ids, out)
         np.save({str(tmp_path / "out.npy")!r}, out)
         client.close()
-        print("ok", es._mooncake.counters.calls)
+        print("ok", es.mooncake_layers.counters.calls)
         """
     )
     assert run_python(code, timeout=60).split()[-2:] == ["ok", "1"]
@@ -188,7 +191,7 @@ def test_heads_larger_than_one_object(client: Any) -> None:
     tabs = tables(sizes, seed=9)
     es.populate(layer_id, tabs)
     try:
-        keys = es._layers[layer_id].objects.flat_keys
+        keys = es.mooncake_layers.layouts[layer_id].flat_keys
         assert len(keys) == 10 + 1 + 6 and keys[0] == f"engram:l{layer_id}:h0:p0"
         assert all(client.is_exist(k) == 1 for k in keys)
         # every object boundary of every head, plus random rows
@@ -246,12 +249,16 @@ def test_empty_batch_needs_no_registration(layer: Any) -> None:
 # --- whole databases: publish and open -------------------------------------------------------
 @pytest.fixture(scope="module")
 def source_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("pub") / "mydb"
-    rng = np.random.default_rng(11)
-    heads = [300, 7, 451]
-    arrays = [rng.integers(0, 256, (n, RB), dtype=np.uint8) for n in heads]
-    engramdb.build(path, "engram_l1", RB, arrays, dtype="fp8_e4m3+ue8m0")
-    engramdb.build(path, "small", 8, [rng.integers(0, 256, (50, 8), dtype=np.uint8)])
+    """Two tables; ``engram_l1`` has shards of 512 rows, so objects cross a shard end."""
+    engram = TableSpec(RB, (300, 7, 451), "fp8_e4m3+ue8m0", rows_per_badge=512, shard_bytes=1)
+    path, _ = make_db(
+        tmp_path_factory.mktemp("pub"),
+        {"engram_l1": engram, "small": (8, (50,))},
+        seed=11,
+        name="mydb",
+    )
+    with engramdb.open(path) as db:
+        assert len(db.manifest.tables["engram_l1"].shards) == 2
     return path
 
 
@@ -313,6 +320,31 @@ def test_open_mooncake_validates_like_a_local_store(client: Any, source_db: Path
                 assert (o == 0xAB).all()
     finally:
         mc.unpublish("val", client=client)
+
+
+def test_tables_are_row_tables_and_refuse_reads_once_closed(client: Any, source_db: Path) -> None:
+    mc.publish(source_db, client=client, name="cl", tables=["small"])
+    try:
+        db = mc.open_mooncake(client=client, name="cl")
+        t = db["small"]
+        assert isinstance(t, RowTable) and not t.closed
+        assert t.to_global([[3]]).tolist() == [[3]] and t.nbytes == 50 * 8
+        with engramdb.open(source_db) as local:
+            np.testing.assert_array_equal(t.fetch([0, 49, 7]), local["small"].fetch([0, 49, 7]))
+        db.close()
+        assert t.closed
+        for call in (lambda: t.fetch([0]), lambda: t.fetch([]), lambda: db["small"]):
+            with pytest.raises(StoreClosed, match="publication 'cl' is closed"):
+                call()
+        with mc.open_mooncake(client=client, name="cl") as db2:
+            t2 = db2["small"]
+            with t2:  # a table closes on its own; the publication and its client stay open
+                assert t2.fetch([1]).shape == (1, 8)
+            with pytest.raises(StoreClosed, match="table 'small' of publication 'cl'"):
+                t2.fetch([1])
+            assert not db2.closed
+    finally:
+        mc.unpublish("cl", client=client)
 
 
 def test_host_copy_serves_locally(client: Any, source_db: Path, tmp_path: Path) -> None:
@@ -437,11 +469,9 @@ def view_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]
     first-access order) and a view that cannot serve lookups (2 rows per record)."""
     from engramdb.view import build_view
 
-    path = tmp_path_factory.mktemp("views") / "vdb"
-    rng = np.random.default_rng(21)
     heads = [300, 7, 451]
-    arrays = [rng.integers(0, 256, (n, RB), dtype=np.uint8) for n in heads]
-    engramdb.build(path, "engram_l1", RB, arrays)
+    path, _ = make_db(tmp_path_factory.mktemp("views"), {"engram_l1": (RB, heads)}, name="vdb")
+    rng = np.random.default_rng(21)
     offsets = np.array([0, 300, 307])
     local = np.stack([rng.integers(0, n, 400) for n in heads], axis=-1)
     local = np.unique(local, axis=0)[:300]
@@ -548,9 +578,9 @@ def test_a_corrupted_view_index_is_refused(client: Any, view_db: tuple[Path, np.
         good = mc.read_object(client, key, client.get_size(key))
         bad = good.copy()
         bad[100] ^= 0xFF  # one flipped bit in a stored hash
-        assert mc._remove(client, [key], True) == [key]
+        assert mc.remove(client, [key], True) == [key]
         with mc.registered(client, bad):
-            mc._put_batch(client, [key], [bad.ctypes.data], [bad.nbytes], None)
+            mc.put_batch(client, [key], [bad.ctypes.data], [bad.nbytes], None)
         with mc.open_mooncake(client=client, name="pv3") as db:
             with pytest.raises(CorruptFile, match="checksum"):
                 db["engram_l1"].use_view("corpus")

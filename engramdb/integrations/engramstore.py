@@ -79,7 +79,6 @@ class _Layer:
         "sizes",
         "row_bytes",
         "heads",
-        "offsets",
         "bound",
         "store",
         "db",
@@ -91,7 +90,6 @@ class _Layer:
         self.sizes = [int(n) for n in cfg.table_vocab_sizes]
         self.row_bytes = int(cfg.row_bytes)
         self.heads = np.asarray(self.sizes, dtype=np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.heads)[:-1]]).astype(np.int64)
         self.bound: list[np.ndarray] | None = None
         self.store: Store | None = None
         self.db: Database | None = None
@@ -227,6 +225,18 @@ class EngramStore:
     def table_name(self, layer_id: int) -> str:
         """The EngramDB table that holds ``layer_id`` (``engram_l{layer}``)."""
         return self._layer(layer_id).table
+
+    @property
+    def mooncake_layers(self) -> MooncakeLayers | None:
+        """The Mooncake backing (its ``counters`` count the store calls, its ``layouts`` name
+        each layer's store objects); None for the other backings."""
+        return self._mooncake
+
+    def layer_store(self, layer_id: int) -> Store:
+        """The EngramDB table serving ``layer_id`` (database backing; opened on first use and
+        kept, so its ``stats()`` count this EngramStore's lookups). `LayerNotReady` if the
+        layer is not populated or the EngramStore has no database backing."""
+        return self._open_store(self._layer(layer_id))
 
     # -- writes ------------------------------------------------------------------------------
     def _existing_table(self, layer: _Layer) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument, MissingDependency, ShapeMismatch, TableNotFound
@@ -90,7 +90,8 @@ def _install_embedding_attr(
         raise InvalidArgument(f"{model_cls.__name__}.{attr_name} is already patched for {engine}")
 
     had_setattr = "__setattr__" in model_cls.__dict__
-    orig_setattr = model_cls.__setattr__
+    # the class's own or inherited instance __setattr__ (unbound: self, name, value)
+    orig_setattr = cast(Callable[[Any, str, Any], None], model_cls.__setattr__)
     had_load = "load_weights" in model_cls.__dict__
     orig_load = getattr(model_cls, "load_weights", None)
 
@@ -120,7 +121,7 @@ def _install_embedding_attr(
 
     def restore() -> None:
         if had_setattr:
-            model_cls.__setattr__ = orig_setattr  # type: ignore[method-assign]
+            model_cls.__setattr__ = orig_setattr  # type: ignore[method-assign,assignment]
         else:
             del model_cls.__setattr__
         if orig_load is not None:
