@@ -44,7 +44,7 @@ from engramdb.io.preadv import PreadvBackend
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import parse_views as local_views
 from engramdb.layouts.view import source_hash
-from engramdb.store import open_shards
+from engramdb.disk.files import open_shards
 
 #: Default size of one store object when a head is split (``publish``): an object must fit
 #: in one storage segment, and smaller objects spread a table over more storage hosts.
