@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.database import Database
+from engramdb.disk.files import open_shards
 from engramdb.errors import EngramDBError, InvalidArgument, StaleView, TableExists, TableNotFound
 from engramdb.integrations.mooncake._store import (
     connect,
@@ -44,7 +45,6 @@ from engramdb.io.preadv import PreadvBackend
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import parse_views as local_views
 from engramdb.layouts.view import source_hash
-from engramdb.disk.files import open_shards
 
 #: Default size of one store object when a head is split (``publish``): an object must fit
 #: in one storage segment, and smaller objects spread a table over more storage hosts.
