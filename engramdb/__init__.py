@@ -37,18 +37,18 @@ _LAZY: dict[str, str] = {
     "open_mooncake": "engramdb.integrations.mooncake",
     "IoUringPageReader": "engramdb.io",
     "PageReader": "engramdb.io",
-    "Prefetcher": "engramdb.prefetch",
-    "Ticket": "engramdb.prefetch",
+    "Prefetcher": "engramdb.read.prefetch",
+    "Ticket": "engramdb.read.prefetch",
     "RowTable": "engramdb.table_api",
     "TableSchema": "engramdb.table_api",
     "Store": "engramdb.store",
     "stream": "engramdb.stream",
     "verify": "engramdb.verify",
     "View": "engramdb.view",
-    "ViewBuildSummary": "engramdb.view",
-    "build_view": "engramdb.view",
+    "ViewBuildSummary": "engramdb.build.view",
+    "build_view": "engramdb.build.view",
     "open_view": "engramdb.view",
-    "verify_views": "engramdb.view",
+    "verify_views": "engramdb.verify",
 }
 # public submodules reachable as attributes (``engramdb.keygen.preset(...)``)
 _SUBMODULES = ("keygen",)
@@ -56,18 +56,19 @@ _SUBMODULES = ("keygen",)
 if TYPE_CHECKING:
     from engramdb import keygen
     from engramdb.build import BuildSummary, build, drop_table
+    from engramdb.build.view import ViewBuildSummary, build_view
     from engramdb.client import Client, RemoteStore, RemoteView, connect
     from engramdb.database import Database, open  # noqa: A004
     from engramdb.decode import Decoder
     from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig
     from engramdb.integrations.mooncake import open_mooncake
     from engramdb.io import IoUringPageReader, PageReader
-    from engramdb.prefetch import Prefetcher, Ticket
+    from engramdb.read.prefetch import Prefetcher, Ticket
     from engramdb.store import Store
     from engramdb.stream import stream
     from engramdb.table_api import RowTable, TableSchema
-    from engramdb.verify import verify
-    from engramdb.view import View, ViewBuildSummary, build_view, open_view, verify_views
+    from engramdb.verify import verify, verify_views
+    from engramdb.view import View, open_view
 
 
 def __getattr__(name: str) -> Any:

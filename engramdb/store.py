@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from engramdb.errors import InvalidArgument
 from engramdb.keygen import preset as keygen_preset
 from engramdb.layouts.manifest import TableInfo
+from engramdb.read.index import load_index
 from engramdb.read.prefetch import Ticket
 from engramdb.read.table import LocalTable
 from engramdb.validate import as_rowids, check_bounds
-
-if TYPE_CHECKING:
-    from engramdb.view import View
+from engramdb.view import View, open_view
 
 __all__ = ["Store"]
 
@@ -76,9 +75,6 @@ class Store(LocalTable):
         """Store-P view ``name`` of this table, opened on first use and kept until `close`
         (reads the manifest and two header pages, no data). ``options`` (hasher, key_hash,
         backend, backend_options) apply at first open; misses are served by this store."""
-        # Until engramdb.view stops importing this module (it opens a `Store` for misses).
-        from engramdb.view import open_view
-
         with self._views_lock:
             v = self._views.get(name)
             if v is None or v.closed:
@@ -95,8 +91,6 @@ class Store(LocalTable):
         if cache is None:
             raise InvalidArgument(f"table {self.name!r} has no RAM tier: open with ram_budget=")
         if rows is None:
-            from engramdb.index import load_index
-
             rows = load_index(self.db_path, self.name).hot_rows
         ids = as_rowids(rows).reshape(-1)
         check_bounds(ids, self.n_rows)

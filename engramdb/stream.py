@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from engramdb.corpus import corpus_files, open_tokens
 from engramdb.errors import InvalidArgument, SourceError
 from engramdb.keygen import preset as keygen_preset
 from engramdb.read.table import LocalTable
@@ -39,8 +40,6 @@ _DONE = object()
 def _sequences(corpus: Any, bin_dtype: str | None) -> Iterator[np.ndarray]:
     """1-D sequences and 2-D ``[S, T]`` blocks of fresh sequences, in corpus order."""
     if isinstance(corpus, (str, os.PathLike)):
-        from engramdb.index import corpus_files, open_tokens
-
         for path in corpus_files(Path(corpus)):
             arr = open_tokens(path, bin_dtype)
             yield arr[0] if arr.shape[0] == 1 else arr

@@ -9,9 +9,9 @@ is in ``docs/view.md`` and `engramdb.layouts.view`.
 * `View` reads records (`read_record`, `read_records`: `engramdb.read.records.RecordFile`)
   and serves keys (`lookup`, `lookup_tokens`): hits from the view, misses from the table
   (any handle with ``fetch_into``) in the same call, same bytes.
-* `build_view` (`engramdb.view_build`) gathers every key's rows from Store-I in batches and
+* `build_view` (`engramdb.build.view`) gathers every key's rows from Store-I in batches and
   publishes the view atomically. A killed build leaves the previous state.
-* `verify_views` (`engramdb.verify_view`) checks files against the manifest and slots
+* `verify_views` (`engramdb.verify`) checks files against the manifest and slots
   against Store-I.
 * `measure_throughput` / `measure_latency` (`engramdb.cli.bench`) are the library side of
   ``engramdb view bench|lat``.
@@ -19,7 +19,6 @@ is in ``docs/view.md`` and `engramdb.layouts.view`.
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,34 +40,10 @@ from engramdb.layouts.keys import KeyHash, hash_keys, hasher_fingerprint, match_
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import VIEW_SUFFIX, check_view_name, source_hash
 from engramdb.read.records import RecordFile, find_entry
+from engramdb.read.table import LocalTable
 from engramdb.validate import as_rowids, check_bounds, check_output
 
-#: Names that moved out of this module (the builder, the checker, the benchmarks import
-#: it); still importable from here, resolved on first use by `__getattr__` (PEP 562).
-_MOVED = {
-    "LatencyResult": "engramdb.cli.bench",
-    "ThroughputResult": "engramdb.cli.bench",
-    "measure_latency": "engramdb.cli.bench",
-    "measure_throughput": "engramdb.cli.bench",
-    "ViewProblem": "engramdb.verify_view",
-    "verify_views": "engramdb.verify_view",
-    "views_bytes": "engramdb.verify_view",
-    "ViewBuildSummary": "engramdb.view_build",
-    "build_view": "engramdb.view_build",
-}
-
-__all__ = [
-    "LatencyResult",  # noqa: F822  (moved: see _MOVED)
-    "ThroughputResult",  # noqa: F822  (moved: see _MOVED)
-    "View",
-    "ViewBuildSummary",  # noqa: F822  (moved: see _MOVED)
-    "ViewProblem",  # noqa: F822  (moved: see _MOVED)
-    "build_view",  # noqa: F822  (moved: see _MOVED)
-    "measure_latency",  # noqa: F822  (moved: see _MOVED)
-    "measure_throughput",  # noqa: F822  (moved: see _MOVED)
-    "open_view",
-    "verify_views",  # noqa: F822  (moved: see _MOVED)
-]
+__all__ = ["MissTable", "View", "open_view"]
 
 
 class MissTable(Protocol):
@@ -82,15 +57,6 @@ class MissTable(Protocol):
     def fetch_into(self, rowids: Any, out: np.ndarray) -> Any: ...
 
     def close(self) -> None: ...
-
-
-def _open_local_table(db: Path, info: TableInfo) -> MissTable:
-    """The default miss source of a view opened without one: the table's local handle."""
-    # The one place the handle needs the local table class; becomes a top-level import of
-    # engramdb.read.table.LocalTable once that module exists (Store imports this module).
-    from engramdb.store import Store
-
-    return Store(db, info)
 
 
 class View(RecordFile):
@@ -331,7 +297,7 @@ class View(RecordFile):
     def _miss_store(self) -> MissTable:
         store = self._store
         if store is None:
-            store = _open_local_table(self._db, self.info)
+            store = LocalTable(self._db, self.info)
             self._store = store
             self._own_store = True
         return store
@@ -393,12 +359,3 @@ def open_view(
     if callable(getattr(table, "fetch_into", None)):
         return View(db_path, table=table.name, name=name, store=table, **options)
     raise InvalidArgument(f"table must be a Store or a TableInfo, got {type(table).__name__}")
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value

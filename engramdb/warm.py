@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engramdb.database import Database
+from engramdb.read.index import load_index
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,6 @@ def warm_hot(db: Database, tables: list[str] | None = None) -> list[HotSummary]:
     """Pin each table's hot set (from ``engramdb index``) in its RAM tier, most frequent rows
     first, up to the tier's hot share. The database must be opened with ``ram_budget=``.
     Cost: one read of the pinned rows (random reads when cold)."""
-    from engramdb.index import load_index
 
     out = []
     for name in tables or db.tables:

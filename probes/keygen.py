@@ -255,7 +255,8 @@ def decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, A
 
 def index_child(tokens: int) -> None:
     """Run in a child process: index a Zipf corpus, print the summary as JSON."""
-    from engramdb.index import build_index, load_index
+    from engramdb.build.index import build_index
+    from engramdb.read.index import load_index
 
     rng = np.random.default_rng(3)
     with tempfile.TemporaryDirectory() as tmp:

@@ -51,8 +51,8 @@ from mooncake_harness import Cluster, enter_private_netns  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb import keygen  # noqa: E402
+from engramdb.build.view import build_view  # noqa: E402
 from engramdb.integrations import mooncake as mc  # noqa: E402
-from engramdb.view import build_view  # noqa: E402
 
 ROW = 264
 B, T = 64, 256

@@ -39,12 +39,12 @@ from common import interleave, median, rate, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb import keygen  # noqa: E402
+from engramdb.build.index import build_index  # noqa: E402
+from engramdb.build.view import build_view  # noqa: E402
 from engramdb.cli.bench import LatencyResult, measure_latency, measure_throughput  # noqa: E402
-from engramdb.index import build_index  # noqa: E402
 from engramdb.io import make_backend  # noqa: E402
 from engramdb.io.mapping import MADV_POPULATE_READ, madvise  # noqa: E402
 from engramdb.view import View  # noqa: E402
-from engramdb.view_build import build_view  # noqa: E402
 
 BATCH = 16_384
 LAT_CHILD = """

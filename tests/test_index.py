@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from engramdb import keygen
+from engramdb.build.index import KeyCounter, build_index
 from engramdb.cli.index_cmd import index_cmd as index_command
 from engramdb.disk.publish import write_manifest
 from engramdb.errors import (
@@ -23,9 +24,9 @@ from engramdb.errors import (
     TokenIdOutOfRange,
     TruncatedFile,
 )
-from engramdb.index import KeyCounter, build_index, load_index
 from engramdb.layouts.geometry import plan_geometry
 from engramdb.layouts.manifest import EMPTY, ShardInfo, TableInfo
+from engramdb.read.index import load_index
 
 QWEN_TINY = {
     "vocab_size": 64,

@@ -467,7 +467,7 @@ def test_failed_populate_leaves_nothing_behind(cluster: Cluster) -> None:
 def view_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     """A table with a row view of 300 distinct row tuples (one row per head, a corpus's
     first-access order) and a view that cannot serve lookups (2 rows per record)."""
-    from engramdb.view import build_view
+    from engramdb.build.view import build_view
 
     heads = [300, 7, 451]
     path, _ = make_db(tmp_path_factory.mktemp("views"), {"engram_l1": (RB, heads)}, name="vdb")

@@ -141,13 +141,12 @@ def test_bad_arguments_are_refused_at_the_call(
 def test_a_store_p_view_serves_the_same_rows(
     db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
 ) -> None:
-    view_mod = pytest.importorskip("engramdb.view")
     path, h, full = db_and_table
     seq = corpus(rng, (3000,))
-    view_mod.build_view(path, table="ple", name="v", keys=h.keys(seq[:2000]), hasher=h)
+    engramdb.build_view(path, table="ple", name="v", keys=h.keys(seq[:2000]), hasher=h)
     with engramdb.open(path) as db:
         s = db["ple"]
-        with view_mod.open_view(path, s, "v", hasher=h) as v:
+        with engramdb.open_view(path, s, "v", hasher=h) as v:
             toks, es = collect(stream(s, seq, preset=h, batch_tokens=700, view=v))
             assert np.array_equal(np.concatenate(es), full[h.row_ids(seq, layer=2)])
             st = v.stats()

@@ -13,6 +13,9 @@ from click.testing import CliRunner
 
 import engramdb
 from engramdb import keygen
+from engramdb.build.index import build_index
+from engramdb.build.view import build_view
+from engramdb.cli.bench import measure_latency, measure_throughput
 from engramdb.cli.view_cmd import view as view_cli
 from engramdb.errors import (
     CorruptFile,
@@ -28,17 +31,10 @@ from engramdb.errors import (
     TokenIdOutOfRange,
     TruncatedFile,
 )
-from engramdb.index import build_index
 from engramdb.io import IoUringBackend
 from engramdb.testing.dbs import SMALL_BADGE, TableSpec, make_db, random_rows
-from engramdb.view import (
-    View,
-    build_view,
-    measure_latency,
-    measure_throughput,
-    open_view,
-    verify_views,
-)
+from engramdb.verify import verify_views
+from engramdb.view import View, open_view
 
 # A small Qwen-style layout: 3-grams, 2 orders x 3 heads = 6 rows per key, ~1,900 rows.
 QWEN_SMALL = {

@@ -9,8 +9,9 @@ from click.testing import CliRunner
 
 import engramdb
 from engramdb import keygen
+from engramdb.build.index import build_index
 from engramdb.cli import main
-from engramdb.index import build_index, load_index
+from engramdb.read.index import load_index
 from engramdb.warm import warm_hot
 
 
@@ -65,7 +66,7 @@ def test_warm_rejects_inconsistent_options(tmp_path: Path) -> None:
 
 
 def test_warm_a_view(tmp_path: Path) -> None:
-    from engramdb.view import build_view
+    from engramdb.build.view import build_view
 
     db, h = indexed_db(tmp_path)
     keys = h.keys(np.random.default_rng(5).integers(0, 248_320, 3000))

@@ -1,4 +1,5 @@
-"""Writers: tables (`engramdb.build.table`) and the corpus index (`engramdb.build.index`).
+"""Writers: tables (`engramdb.build.table`), Store-P views (`engramdb.build.view`) and the
+corpus index (`engramdb.build.index`).
 
 Every writer publishes through `engramdb.disk.publish` (lock, staging, manifest rename,
 garbage collection). The names below are today's ``engramdb.build`` surface.
@@ -7,6 +8,7 @@ garbage collection). The names below are today's ``engramdb.build`` surface.
 from __future__ import annotations
 
 from engramdb.build.table import CHUNK_BYTES, STAGE_BYTES, BuildSummary, build, drop_table
+from engramdb.build.view import ViewBuildSummary, build_view
 from engramdb.disk.publish import (
     LOCK_NAME,
     collect_garbage,
@@ -20,7 +22,9 @@ __all__ = [
     "LOCK_NAME",
     "STAGE_BYTES",
     "BuildSummary",
+    "ViewBuildSummary",
     "build",
+    "build_view",
     "collect_garbage",
     "database_lock",
     "drop_table",

@@ -48,7 +48,7 @@ def info_cmd(db: str, as_json: bool) -> None:
 def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool) -> None:
     """Recompute every shard checksum of DB and check its Store-P views (checksums, and
     slots against Store-I rows). Exit status 1 names each bad table, shard and byte range."""
-    from engramdb.view import verify_views, views_bytes
+    from engramdb.verify import verify_views, views_bytes
 
     names = list(tables) or None
     total = total_bytes(db, names) + views_bytes(db, names)

@@ -9,11 +9,11 @@ from typing import Any
 
 import click
 
+from engramdb.build.view import build_view
 from engramdb.cli._common import library_errors
 from engramdb.cli.bench import measure_latency, measure_throughput
 from engramdb.keygen import PRESETS
 from engramdb.view import View
-from engramdb.view_build import build_view
 
 _BACKENDS = ("auto", "mmap", "preadv", "io_uring")
 

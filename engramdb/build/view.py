@@ -41,7 +41,6 @@ from engramdb.errors import (
     TableNotFound,
     TokenIdOutOfRange,
 )
-from engramdb.index import load_index
 from engramdb.keygen import PRESETS, Hasher
 from engramdb.keygen import preset as keygen_preset
 from engramdb.layouts.keys import (
@@ -70,6 +69,7 @@ from engramdb.layouts.view import (
     parse_views,
     source_hash,
 )
+from engramdb.read.index import load_index
 from engramdb.store import Store
 from engramdb.units import parse_size
 from engramdb.validate import check_bounds
