@@ -12,6 +12,7 @@ import pytest
 
 import engramdb.io.preadv as preadv_mod
 import engramdb.io.uring as uring_mod
+import engramdb.io.uring_ring as ring_mod
 from engramdb.errors import BackendUnavailable, InvalidArgument, ReadError
 from engramdb.io import (
     AutoBackend,
@@ -158,8 +159,8 @@ def test_classify_completions() -> None:
     res = np.array([100, 40, 0, -errno.EINTR, -errno.EAGAIN, -errno.EIO, -errno.EBADF, 60])
     done = np.array([0, 0, 10, 0, 0, 0, 0, 40])
     need = np.array([100, 100, 100, 100, 100, 100, 100, 100])
-    kinds = uring_mod.classify(res, done, need)
-    C, R, E, F = uring_mod.COMPLETE, uring_mod.RETRY, uring_mod.AT_EOF, uring_mod.FAILED
+    kinds = ring_mod.classify(res, done, need)
+    C, R, E, F = ring_mod.COMPLETE, ring_mod.RETRY, ring_mod.AT_EOF, ring_mod.FAILED
     assert kinds.tolist() == [C, R, E, R, R, F, F, C]
 
 
