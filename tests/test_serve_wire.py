@@ -1,4 +1,4 @@
-"""The binary wire protocol of `engramdb serve` (`engramdb.serve.wire`): the client's row
+"""The binary wire protocol of `engramdb serve` (`engramdb.serve.frames`): the client's row
 path on Unix sockets, and what a raw peer can send that the client never would."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_serve import HEADS, TOKEN, Raw, make_db, start, uds_path
+from test_serve import HEADS, TOKEN, Raw, start, uds_path
 
 from engramdb.client import connect
 from engramdb.errors import RowIdOutOfRange, ShapeMismatch, TableNotFound
 from engramdb.serve import AuthenticationFailed, Limits, ProtocolError, Server
-from engramdb.serve import wire as W
+from engramdb.serve import frames as W
+from engramdb.testing.dbs import make_db
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +259,11 @@ def test_idle_wire_connections_are_closed_and_reopened(
     try:
         with connect(urls(srv)["unix"]) as c:
             c["ple"].fetch([1])
-            lane = srv._lane
-            assert lane is not None and lane.n_connections == 1
+            assert srv.n_wire_connections == 1
             deadline = time.monotonic() + 10
-            while lane.n_connections and time.monotonic() < deadline:
+            while srv.n_wire_connections and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert lane.n_connections == 0
+            assert srv.n_wire_connections == 0
             assert np.array_equal(c["ple"].fetch([2]), database[1]["ple"][[2]])
     finally:
         srv.stop()
