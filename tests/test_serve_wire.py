@@ -8,6 +8,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,14 @@ import numpy as np
 import pytest
 from test_serve import HEADS, TOKEN, Raw, start, uds_path
 
+import engramdb
 from engramdb.client import connect
 from engramdb.errors import RowIdOutOfRange, ShapeMismatch, TableNotFound
 from engramdb.serve import AuthenticationFailed, Limits, ProtocolError, Server
 from engramdb.serve import frames as W
+from engramdb.serve.auth import TokenCheck
+from engramdb.serve.context import ServingContext
+from engramdb.serve.lane import WireLane
 from engramdb.testing.dbs import make_db
 
 
@@ -322,3 +327,47 @@ def test_shape_errors_name_the_shape(server: Server) -> None:
     assert status == 400 and error_type(body) == ShapeMismatch.__name__
     assert "(2, 2)" in json.loads(body)["error"]["message"]
     peer.close()
+
+
+def test_lane_runs_over_a_context_without_a_server(
+    database: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    rows = database[1]["eng"]
+    with engramdb.open(database[0]) as db, ThreadPoolExecutor(1) as pool:
+        ctx = ServingContext(
+            db, Limits(inline_max_bytes=1024), auth=TokenCheck(None), executor=pool
+        )
+        lane = WireLane(ctx, spin_us=0)
+        lane.start()
+        ours, theirs = socket.socketpair()
+        try:
+            theirs.setblocking(False)
+            hello = W.pack_request(W.OP_HELLO, 0, (), 0)
+            lane.adopt(theirs, hello[:5])  # bytes already read by whoever accepted it
+            ours.settimeout(10)
+            ours.sendall(hello[5:])
+
+            def exact(n: int) -> bytes:
+                data = b""
+                while len(data) < n:
+                    chunk = ours.recv(n - len(data))
+                    assert chunk, "closed by the lane"
+                    data += chunk
+                return data
+
+            def reply() -> tuple[int, bytes]:
+                _m, status, _f, _r, length = W.RESPONSE.unpack(exact(W.RESPONSE.size))
+                return status, exact(length)
+
+            status, body = reply()
+            assert status == 200 and json.loads(body)["tables"] == ctx.table_names
+            t = ctx.table_names.index("eng")
+            for ids in ([3, 1], list(range(0, 4000, 3))):  # inline, then on the worker pool
+                arr = np.asarray(ids, "<i8")
+                ours.sendall(W.pack_request(W.OP_FETCH, t, arr.shape, arr.nbytes) + arr.tobytes())
+                assert reply() == (200, rows[ids].tobytes())
+            assert lane.n_connections == 1 and lane.in_flight == 0
+            assert ctx.metrics.requests[("fetch", "eng", 200)] == 2
+        finally:
+            lane.stop(1.0)
+            ours.close()

@@ -20,7 +20,12 @@ from engramdb.database import Database
 from engramdb.errors import EngramDBError, InvalidArgument
 from engramdb.serve.auth import TokenCheck
 from engramdb.serve.metrics import Metrics
+from engramdb.serve.protocol import RequestTooLarge
 from engramdb.store import Store
+
+#: Per-connection response buffers up to this size are kept for the next request; larger
+#: ones are freed after sending so 16 idle connections do not pin 16 big buffers.
+SCRATCH_MAX = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,26 @@ class Limits:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def check_rows(self, n_ids: int, *, hint: str = "") -> None:
+        """Refuse a request for more than ``max_rows`` ids (`RequestTooLarge`; ``hint`` ends
+        the message)."""
+        if n_ids > self.max_rows:
+            raise RequestTooLarge(
+                f"request asks for {n_ids:,} rows, the server allows {self.max_rows:,} "
+                f"per request{hint}"
+            )
+
+    def check_response(self, n_ids: int, row_bytes: int) -> int:
+        """The response size of ``n_ids`` rows of ``row_bytes``; `RequestTooLarge` above
+        ``max_response_bytes``."""
+        nbytes = n_ids * row_bytes
+        if nbytes > self.max_response_bytes:
+            raise RequestTooLarge(
+                f"response would be {nbytes:,} bytes ({n_ids:,} rows x {row_bytes} B), the "
+                f"limit is {self.max_response_bytes:,}"
+            )
+        return nbytes
 
 
 def error_label(exc: BaseException) -> str:

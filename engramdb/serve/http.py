@@ -22,7 +22,7 @@ import numpy as np
 
 from engramdb.errors import EngramDBError
 from engramdb.serve import protocol as P
-from engramdb.serve.context import Job, Reply, ServingContext
+from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext
 from engramdb.serve.frames import REQUEST_MAGIC
 from engramdb.serve.routes import Request, Routes, endpoint_of
 
@@ -30,9 +30,6 @@ log = logging.getLogger("engramdb.serve")
 
 #: Bytes read from a socket per ``recv_into``.
 RECV_CHUNK = 64 * 1024
-#: Per-connection response buffers up to this size are kept for the next request; larger
-#: ones are freed after sending so 16 idle connections do not pin 16 big buffers.
-SCRATCH_MAX = 4 * 1024 * 1024
 #: After the last response on a connection the server half-closes and keeps reading this
 #: long, so a peer still sending does not get a reset that destroys the response.
 LINGER_SECONDS = 1.0

@@ -25,7 +25,7 @@ import numpy as np
 
 from engramdb.errors import EngramDBError, InvalidArgument
 from engramdb.serve import protocol as P
-from engramdb.serve.context import Job, Reply, ServingContext, error_label
+from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext, error_label
 from engramdb.serve.frames import (
     MAX_HELLO_BYTES,
     OK_FLAGS,
@@ -49,7 +49,6 @@ log = logging.getLogger("engramdb.serve")
 DEFAULT_SPIN_US = 200.0
 
 _RECV_MIN = 64 * 1024
-_SCRATCH_MAX = 4 * 1024 * 1024
 
 
 class _WireConnection:
@@ -221,18 +220,9 @@ class _WireConnection:
             name = lane.names[table]
             store = lane.store(table)
             ids = parse_ids(payload, ndim)
-            if ids.size > limits.max_rows:
-                raise P.RequestTooLarge(
-                    f"request asks for {ids.size:,} rows, the server allows "
-                    f"{limits.max_rows:,} per request"
-                )
+            limits.check_rows(ids.size)
             rb = store.row_bytes
-            nbytes = ids.size * rb
-            if nbytes > limits.max_response_bytes:
-                raise P.RequestTooLarge(
-                    f"response would be {nbytes:,} bytes ({ids.size:,} rows x {rb} B), the "
-                    f"limit is {limits.max_response_bytes:,}"
-                )
+            nbytes = limits.check_response(ids.size, rb)
             total = RESPONSE.size + nbytes
             buf = self.response_buffer(total)
             out = buf[RESPONSE.size : total].reshape(ids.shape + (rb,))
@@ -246,8 +236,9 @@ class _WireConnection:
         except Exception as e:
             self.reply_error(e, endpoint, name, t0, len(payload))
             return
-        RESPONSE.pack_into(buf, 0, RESPONSE_MAGIC, 200, OK_FLAGS, 0, nbytes)
-        self.send(buf.data[:total])
+        mv = buf.data
+        RESPONSE.pack_into(mv, 0, RESPONSE_MAGIC, 200, OK_FLAGS, 0, nbytes)
+        self.send(mv[:total])
         lane.ctx.metrics.observe(
             endpoint,
             name,
@@ -278,8 +269,9 @@ class _WireConnection:
 
         def run() -> Reply:
             gather(ids, out)
-            RESPONSE.pack_into(buf, 0, RESPONSE_MAGIC, 200, OK_FLAGS, 0, nbytes)
-            return Reply(200, [buf.data[:total]], endpoint, name, rows=ids.size, nbytes=nbytes)
+            mv = buf.data
+            RESPONSE.pack_into(mv, 0, RESPONSE_MAGIC, 200, OK_FLAGS, 0, nbytes)
+            return Reply(200, [mv[:total]], endpoint, name, rows=ids.size, nbytes=nbytes)
 
         return Job(run, endpoint, name, t0=t0, bytes_in=len(payload), owner=self)
 
@@ -322,7 +314,7 @@ class _WireConnection:
     # -- writing ------------------------------------------------------------------------------
     def response_buffer(self, nbytes: int) -> np.ndarray:
         """The connection's response buffer, grown to ``nbytes`` (one response at a time:
-        a buffer above `_SCRATCH_MAX` is dropped once its response is sent)."""
+        a buffer above `SCRATCH_MAX` is dropped once its response is sent)."""
         buf = self.scratch
         if buf is None or buf.size < nbytes:
             buf = self.scratch = np.empty(max(nbytes, 16 * 1024), np.uint8)
@@ -341,7 +333,7 @@ class _WireConnection:
             self.busy = True
             self.watch(select.EPOLLOUT)
             return
-        if self.scratch is not None and self.scratch.size > _SCRATCH_MAX:
+        if self.scratch is not None and self.scratch.size > SCRATCH_MAX:
             self.scratch = None
 
     def close(self) -> None:

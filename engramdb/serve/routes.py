@@ -26,6 +26,7 @@ from engramdb.validate import as_rowids
 
 _VIEW_METHODS = {"records": "read_records", "lookup": "lookup", "lookup_tokens": "lookup_tokens"}
 _ENDPOINTS = {"fetch", "lookup"}
+_SPLIT_HINT = " (split the batch; engramdb.connect does this by itself)"
 
 
 def _pyarrow() -> Any:
@@ -250,12 +251,7 @@ class Routes:
                 f"Content-Type {head.headers.get('content-type', '(none)')!r} is not readable "
                 f"here; send {P.CT_BINARY} (raw little-endian int64) or {P.CT_JSON}"
             )
-        max_rows = self.ctx.limits.max_rows
-        if ids.size > max_rows:
-            raise P.RequestTooLarge(
-                f"request asks for {ids.size:,} rows, the server allows {max_rows:,} "
-                "per request (split the batch; engramdb.connect does this by itself)"
-            )
+        self.ctx.limits.check_rows(ids.size, hint=_SPLIT_HINT)
         return ids
 
     def _rows(self, req: Request, store: Store, *, lookup: bool) -> Reply | Job:
@@ -263,12 +259,7 @@ class Routes:
         endpoint = "lookup" if lookup else "fetch"
         ids = self._ids(req, key="row_ids" if lookup else "ids")
         rb = store.row_bytes
-        nbytes = ids.size * rb
-        if nbytes > limits.max_response_bytes:
-            raise P.RequestTooLarge(
-                f"response would be {nbytes:,} bytes ({ids.size:,} rows x {rb} B), the limit "
-                f"is {limits.max_response_bytes:,}"
-            )
+        nbytes = limits.check_response(ids.size, rb)
         head = req.head
         accept = head.headers.get("accept")
         if accept == P.CT_BINARY or (accept is None and head.media_type == P.CT_BINARY):
