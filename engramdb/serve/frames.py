@@ -35,6 +35,25 @@ import numpy as np
 from engramdb.errors import ShapeMismatch
 from engramdb.serve import protocol as P
 
+__all__ = [
+    "MAX_HELLO_BYTES",
+    "OK_FLAGS",
+    "OPS",
+    "OP_FETCH",
+    "OP_HELLO",
+    "OP_LOOKUP",
+    "REQUEST",
+    "REQUEST_MAGIC",
+    "RESPONSE",
+    "RESPONSE_MAGIC",
+    "SPIN_BACKOFF_MAX",
+    "error_frame",
+    "pack_request",
+    "pack_response",
+    "parse_hello",
+    "parse_ids",
+]
+
 REQUEST_MAGIC = b"EDBW"
 RESPONSE_MAGIC = b"EDBR"
 REQUEST = struct.Struct("<4sBBHIIQ")
