@@ -33,25 +33,15 @@ from engramdb.serve import (
     Server,
     ServiceUnavailable,
     UnknownEndpoint,
+    open_database,
 )
 from engramdb.serve.auth import TokenCheck, check_bind, is_loopback, load_token
-from engramdb.serve.server import open_database
 from engramdb.store import Store
+from engramdb.testing.dbs import DEFAULT_TABLES, make_db
 
-HEADS = [3000, 5000]
+# make_db's default tables: "ple" (160 B rows, fp8_e4m3, heads 3000 + 5000), "eng" (264 B)
+HEADS = list(DEFAULT_TABLES["ple"].heads)
 TOKEN = "s3cret-token-0123456789abcdef"
-
-
-def make_db(root: Path) -> tuple[Path, dict[str, np.ndarray]]:
-    rng = np.random.default_rng(7)
-    rows = {
-        "ple": rng.integers(0, 256, (sum(HEADS), 160), dtype=np.uint8),
-        "eng": rng.integers(0, 256, (4000, 264), dtype=np.uint8),
-    }
-    db = root / "db"
-    engramdb.build(db, "ple", 160, [rows["ple"]], heads=HEADS, dtype="fp8_e4m3")
-    engramdb.build(db, "eng", 264, [rows["eng"]])
-    return db, rows
 
 
 @pytest.fixture(scope="module")
@@ -570,9 +560,9 @@ def test_idle_connection_closed_by_server_is_reopened(
         with connect(srv.urls[1]) as c:
             c["ple"].fetch([1])
             deadline = time.monotonic() + 10  # the once-a-second sweep closes it
-            while srv._conns and time.monotonic() < deadline:
+            while srv.n_http_connections and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not srv._conns
+            assert not srv.n_http_connections
             assert np.array_equal(c["ple"].fetch([2]), database[1]["ple"][[2]])
     finally:
         srv.stop()
@@ -680,16 +670,10 @@ def test_views_follow_the_store(
             c["ple"].view("w")
 
 
-def test_ram_budget_is_passed_or_refused(
+def test_ram_budget_is_passed_and_limits_checked(
     database: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
-    import inspect
-
-    if "ram_budget" in inspect.signature(engramdb.open).parameters:
-        open_database(database[0], ram_budget=1 << 20).close()
-    else:
-        with pytest.raises(InvalidArgument, match="ram-budget is not supported"):
-            open_database(database[0], ram_budget=1 << 20)
+    open_database(database[0], ram_budget=1 << 20).close()
     with pytest.raises(InvalidArgument):
         Limits(max_rows=0)
 

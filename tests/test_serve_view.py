@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -10,12 +11,14 @@ import engramdb
 from engramdb.serve import Server
 
 
-def test_view_records_and_ram_budget_over_uds(tmp_path: Path, rng: np.random.Generator) -> None:
-    table = rng.integers(0, 256, (5000, 24), dtype=np.uint8)
-    engramdb.build(tmp_path / "db", "t", 24, [table], heads=[2000, 3000])
+def test_view_records_and_ram_budget_over_uds(
+    tmp_path: Path, rng: np.random.Generator, db_factory: Any
+) -> None:
+    db, written = db_factory({"t": (24, (2000, 3000))})
+    table = written["t"]
     rows = np.stack([rng.integers(0, 2000, 300), 2000 + rng.integers(0, 3000, 300)], axis=1)
-    engramdb.build_view(tmp_path / "db", table="t", name="v", rows=rows)
-    srv = Server(tmp_path / "db", port=0, unix=str(tmp_path / "s.sock"), ram_budget="1M").start()
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    srv = Server(db, port=0, unix=str(tmp_path / "s.sock"), ram_budget="1M").start()
     try:
         client = engramdb.connect(f"unix://{tmp_path / 's.sock'}")
         remote = client["t"].view("v")

@@ -1,4 +1,4 @@
-"""The binary wire protocol of `engramdb serve` (`engramdb.serve.wire`): the client's row
+"""The binary wire protocol of `engramdb serve` (`engramdb.serve.frames`): the client's row
 path on Unix sockets, and what a raw peer can send that the client never would."""
 
 from __future__ import annotations
@@ -8,17 +8,23 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from test_serve import HEADS, TOKEN, Raw, make_db, start, uds_path
+from test_serve import HEADS, TOKEN, Raw, start, uds_path
 
+import engramdb
 from engramdb.client import connect
 from engramdb.errors import RowIdOutOfRange, ShapeMismatch, TableNotFound
 from engramdb.serve import AuthenticationFailed, Limits, ProtocolError, Server
-from engramdb.serve import wire as W
+from engramdb.serve import frames as W
+from engramdb.serve.auth import TokenCheck
+from engramdb.serve.context import ServingContext
+from engramdb.serve.lane import WireLane
+from engramdb.testing.dbs import make_db
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +264,11 @@ def test_idle_wire_connections_are_closed_and_reopened(
     try:
         with connect(urls(srv)["unix"]) as c:
             c["ple"].fetch([1])
-            lane = srv._lane
-            assert lane is not None and lane.n_connections == 1
+            assert srv.n_wire_connections == 1
             deadline = time.monotonic() + 10
-            while lane.n_connections and time.monotonic() < deadline:
+            while srv.n_wire_connections and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert lane.n_connections == 0
+            assert srv.n_wire_connections == 0
             assert np.array_equal(c["ple"].fetch([2]), database[1]["ple"][[2]])
     finally:
         srv.stop()
@@ -322,3 +327,47 @@ def test_shape_errors_name_the_shape(server: Server) -> None:
     assert status == 400 and error_type(body) == ShapeMismatch.__name__
     assert "(2, 2)" in json.loads(body)["error"]["message"]
     peer.close()
+
+
+def test_lane_runs_over_a_context_without_a_server(
+    database: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    rows = database[1]["eng"]
+    with engramdb.open(database[0]) as db, ThreadPoolExecutor(1) as pool:
+        ctx = ServingContext(
+            db, Limits(inline_max_bytes=1024), auth=TokenCheck(None), executor=pool
+        )
+        lane = WireLane(ctx, spin_us=0)
+        lane.start()
+        ours, theirs = socket.socketpair()
+        try:
+            theirs.setblocking(False)
+            hello = W.pack_request(W.OP_HELLO, 0, (), 0)
+            lane.adopt(theirs, hello[:5])  # bytes already read by whoever accepted it
+            ours.settimeout(10)
+            ours.sendall(hello[5:])
+
+            def exact(n: int) -> bytes:
+                data = b""
+                while len(data) < n:
+                    chunk = ours.recv(n - len(data))
+                    assert chunk, "closed by the lane"
+                    data += chunk
+                return data
+
+            def reply() -> tuple[int, bytes]:
+                _m, status, _f, _r, length = W.RESPONSE.unpack(exact(W.RESPONSE.size))
+                return status, exact(length)
+
+            status, body = reply()
+            assert status == 200 and json.loads(body)["tables"] == ctx.table_names
+            t = ctx.table_names.index("eng")
+            for ids in ([3, 1], list(range(0, 4000, 3))):  # inline, then on the worker pool
+                arr = np.asarray(ids, "<i8")
+                ours.sendall(W.pack_request(W.OP_FETCH, t, arr.shape, arr.nbytes) + arr.tobytes())
+                assert reply() == (200, rows[ids].tobytes())
+            assert lane.n_connections == 1 and lane.in_flight == 0
+            assert ctx.metrics.requests[("fetch", "eng", 200)] == 2
+        finally:
+            lane.stop(1.0)
+            ours.close()

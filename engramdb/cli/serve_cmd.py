@@ -9,9 +9,10 @@ import click
 from engramdb.cli._common import library_errors
 from engramdb.errors import InvalidArgument
 from engramdb.serve.auth import load_token, token_file_is_private
+from engramdb.serve.context import Limits
+from engramdb.serve.lane import DEFAULT_SPIN_US
 from engramdb.serve.protocol import DEFAULT_PORT
-from engramdb.serve.server import Limits, Server
-from engramdb.serve.wire import DEFAULT_SPIN_US
+from engramdb.serve.server import Server
 from engramdb.units import parse_size
 
 _D = Limits()
@@ -53,7 +54,7 @@ _D = Limits()
 @click.option(
     "--ram-budget",
     default=None,
-    help="RAM tier size, e.g. 8G (needs a build with the RAM tier; refused otherwise).",
+    help="RAM tier size per table, e.g. 8G.",
 )
 @click.option("--backend", default="auto", show_default=True, help="Reader backend.")
 @click.option(

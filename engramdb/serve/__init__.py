@@ -25,7 +25,8 @@ from engramdb.serve.protocol import (
 )
 
 if TYPE_CHECKING:
-    from engramdb.serve.server import Limits, Server, open_database, serve
+    from engramdb.serve.context import Limits
+    from engramdb.serve.server import Server, open_database, serve
 
 _SERVER_NAMES = ("Limits", "Server", "open_database", "serve")
 
