@@ -99,7 +99,7 @@ def run_demo(
             raise AssertionError("demo: fetched rows differ from the source")
         plain = np.load(src, mmap_mode="r")
 
-        def rate(fn: Callable[[], None]) -> float:
+        def rate(fn: Callable[[], object]) -> float:
             n = 0
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds / 2:
