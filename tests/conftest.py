@@ -5,10 +5,6 @@ import os
 import numpy as np
 import pytest
 
-# Small tables still get several shards when the badge is small.
-SMALL_BADGE = {1: 4096, 7: 4096, 160: 128, 264: 512, 2560: 8, 4096: 1, 5000: 512}
-
-
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
@@ -17,10 +13,6 @@ def rng() -> np.random.Generator:
 @pytest.fixture(autouse=True)
 def _no_stray_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGRAMDB_GATHER_THREADS", raising=False)
-
-
-def random_rows(rng: np.random.Generator, n: int, row_bytes: int) -> np.ndarray:
-    return rng.integers(0, 256, size=(n, row_bytes), dtype=np.uint8)
 
 
 def pytest_report_header() -> str:
