@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
