@@ -178,10 +178,8 @@ class MooncakeTable(RowTable):
         self._view = ViewReader(self, pv, merge_gap_bytes=merge_gap_bytes, cache_bytes=cache_bytes)
 
     def __repr__(self) -> str:
-        return (
-            f"<MooncakeTable {self.name!r} {self.n_rows:,} rows x {self.row_bytes} B, "
-            f"{self.n_heads} heads, {self.mode}>"
-        )
+        state = "closed" if self.closed else f"{self.n_rows:,} rows x {self.row_bytes} B"
+        return f"<MooncakeTable {self.name!r} {state}, {self.n_heads} heads, {self.mode}>"
 
     def stats(self) -> dict[str, Any]:
         doc = {
