@@ -15,21 +15,23 @@ try:
 except ImportError:
     pytest.skip("the Mooncake store client is not installed", allow_module_level=True)
 
-import test_mooncake
+from mooncake_harness import Cluster, module_cluster
 
 from engramdb.integrations import mooncake as mc
 from engramdb.testing import TableContract
 from engramdb.testing.dbs import TableSpec, make_db
-
-#: the module-scoped master + storage host of `test_mooncake` (a fixture)
-cluster = test_mooncake.cluster
 
 HEADS = (3000, 5000)
 SPEC = TableSpec(160, HEADS, rows_per_badge=128, shard_bytes=1024 * 160)
 
 
 @pytest.fixture(scope="module")
-def mc_client(cluster: Any) -> Iterator[Any]:
+def cluster() -> Iterator[Cluster]:
+    yield from module_cluster()
+
+
+@pytest.fixture(scope="module")
+def mc_client(cluster: Cluster) -> Iterator[Any]:
     c = cluster.connect()
     yield c
     c.close()
