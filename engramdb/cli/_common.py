@@ -1,17 +1,19 @@
 """Shared CLI plumbing: library errors become clean ``click`` errors at the edge, one lazy
-progress bar, the backend option, and the text of summaries and problems."""
+progress bar, the shared options (backend, quiet, files, shown defaults), and the text of summaries and problems."""
 
 from __future__ import annotations
 
 import functools
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import click
 
 from engramdb.errors import EngramDBError
 from engramdb.io.select import BACKENDS
+from engramdb.table_api import Closing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,18 +40,35 @@ def int_list(text: str | None) -> list[int] | None:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+def shown_option(
+    decls: str | tuple[str, ...],
+    default: Any,
+    help: str | None = None,  # noqa: A002
+    type: Any = None,  # noqa: A002
+) -> Callable[[F], F]:
+    """An option (``decls``: its flag, or flag and names) whose ``--help`` shows its
+    default."""
+    names = (decls,) if isinstance(decls, str) else decls
+    return click.option(*names, type=type, default=default, show_default=True, help=help)
+
+
 def backend_option(help: str | None = None) -> Callable[[F], F]:  # noqa: A002
     """``--backend`` with the choices of `engramdb.io.select.BACKENDS` (default ``auto``)."""
+    return shown_option("--backend", "auto", help, click.Choice(BACKENDS))
+
+
+def file_option(flag: str, dest: str, help: str) -> Callable[[F], F]:  # noqa: A002
+    """An option naming an existing file (a `pathlib.Path`), stored in ``dest``."""
     return click.option(
-        "--backend",
-        type=click.Choice(BACKENDS),
-        default="auto",
-        show_default=True,
-        help=help,
+        flag, dest, type=click.Path(exists=True, dir_okay=False, path_type=Path), help=help
     )
 
 
-class LazyBar:
+#: ``--quiet`` / ``-q``: hide the progress bar.
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+
+
+class LazyBar(Closing):
     """A click progress bar (on stderr) opened at the first report, once the total is known.
 
     Pass it as a library ``progress(done, total)`` callback; `close` it (or use it as a
@@ -72,12 +91,6 @@ class LazyBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
-
-    def __enter__(self) -> LazyBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _HasLine(Protocol):

@@ -5,7 +5,7 @@ import sys
 import click
 
 from engramdb.build import build
-from engramdb.cli._common import echo_summaries, int_list, library_errors
+from engramdb.cli._common import echo_summaries, int_list, library_errors, quiet_option
 from engramdb.sources import resolve_sources
 from engramdb.units import parse_size
 
@@ -36,7 +36,7 @@ from engramdb.units import parse_size
 @click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
 @click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
 @click.option("--force", is_flag=True, help="Replace the table if it exists.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def build_cmd(
     db: str,

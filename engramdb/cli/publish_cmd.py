@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import library_errors, quiet_option
 from engramdb.database import Database
 from engramdb.integrations import mooncake
 from engramdb.units import parse_size
@@ -49,7 +49,7 @@ from engramdb.units import parse_size
     "Default: every such view.",
 )
 @click.option("--no-views", is_flag=True, help="Publish the tables only, no views.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def publish(
     db: str,

@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from engramdb.cli._common import echo_summaries, library_errors
+from engramdb.cli._common import echo_summaries, library_errors, quiet_option
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument
 from engramdb.warm import residency, warm_hot, warm_tables, warm_view
@@ -22,7 +22,7 @@ from engramdb.warm import residency, warm_hot, warm_tables, warm_view
 )
 @click.option("--ram-budget", default=None, help="RAM tier size per table, e.g. 8G (with --hot).")
 @click.option("--check", is_flag=True, help="Only report page-cache residency; read nothing.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def warm_cmd(
     db: str,

@@ -34,14 +34,14 @@ from engramdb.serve.protocol import (
     format_shape,
     raise_for_error,
 )
-from engramdb.table_api import RowTable, TableSchema
+from engramdb.table_api import Closing, RowTable, TableSchema
 from engramdb.validate import as_rowids, check_lookup_ids, check_output
 
 _LITTLE = sys.byteorder == "little"
 _BINARY_HEADERS = b"Content-Type: application/octet-stream\r\nAccept: application/octet-stream\r\n"
 
 
-class Client:
+class Client(Closing):
     """A connection to ``engramdb serve``: the remote twin of `engramdb.Database`.
 
     ``tables`` (names), ``client[name]`` (a `RemoteStore`), ``in`` / ``len`` / iteration,
@@ -273,12 +273,6 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Client {self.url!r} tables={self.tables}>"

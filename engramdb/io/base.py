@@ -37,6 +37,7 @@ from engramdb.errors import (
     StoreClosed,
 )
 from engramdb.stats import Stats
+from engramdb.table_api import Closing
 from engramdb.validate import check_output
 
 __all__ = [
@@ -302,7 +303,7 @@ class BackendStats(Stats):
     syscalls: int = 0
 
 
-class Backend(abc.ABC):
+class Backend(Closing, abc.ABC):
     """Reads batches of byte ranges from open files into caller memory.
 
     Subclasses implement `_read` (called with a validated, non-empty `Batch`) and may
@@ -415,12 +416,6 @@ class Backend(abc.ABC):
 
     def _close(self) -> None:
         return None
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

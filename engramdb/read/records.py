@@ -18,7 +18,7 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,11 +57,11 @@ from engramdb.layouts.view import (
     plan_slot_reads,
     source_hash,
 )
+from engramdb.table_api import Closing
 from engramdb.validate import as_rowids, check_bounds, check_output
 
 __all__ = ["KeyIndex", "RecordFile", "Scratch", "find_entry", "read_header_page"]
 
-_R = TypeVar("_R", bound="RecordFile")
 
 
 def read_header_page(fd: int, what: str) -> bytes:
@@ -147,7 +147,7 @@ def find_entry(db: Path, info: TableInfo, name: str | None, file: Path | None) -
     return entry
 
 
-class RecordFile:
+class RecordFile(Closing):
     """The open files of view ``entry`` of table ``info`` in database ``db``.
 
     Opening checks every file's size against the manifest and each header page against the
@@ -508,9 +508,3 @@ class RecordFile:
         self._slots = self._records = None
         self._hashes = self._keys = self._slot_of = self._rows = None
         self._release()
-
-    def __enter__(self: _R) -> _R:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
