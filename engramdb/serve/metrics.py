@@ -100,34 +100,21 @@ class Metrics:
         error: str | None = None,
     ) -> None:
         """Count one finished request (``seconds`` from parsed request to response queued)."""
-        with self.lock:
-            self._observe(endpoint, table, status, rows, bytes_in, bytes_out, seconds, error)
-
-    def _observe(
-        self,
-        endpoint: str,
-        table: str,
-        status: int,
-        rows: int,
-        bytes_in: int,
-        bytes_out: int,
-        seconds: float,
-        error: str | None,
-    ) -> None:
-        key = (endpoint, table, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
         et = (endpoint, table)
-        if rows:
-            self.rows[et] = self.rows.get(et, 0) + rows
-        self.bytes_in[et] = self.bytes_in.get(et, 0) + bytes_in
-        self.bytes_out[et] = self.bytes_out.get(et, 0) + bytes_out
-        if error is not None:
-            ek = (endpoint, error)
-            self.errors[ek] = self.errors.get(ek, 0) + 1
-        h = self.latency.get(endpoint)
-        if h is None:
-            h = self.latency[endpoint] = _Histogram()
-        h.observe(seconds)
+        with self.lock:
+            key = (endpoint, table, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if rows:
+                self.rows[et] = self.rows.get(et, 0) + rows
+            self.bytes_in[et] = self.bytes_in.get(et, 0) + bytes_in
+            self.bytes_out[et] = self.bytes_out.get(et, 0) + bytes_out
+            if error is not None:
+                ek = (endpoint, error)
+                self.errors[ek] = self.errors.get(ek, 0) + 1
+            h = self.latency.get(endpoint)
+            if h is None:
+                h = self.latency[endpoint] = _Histogram()
+            h.observe(seconds)
 
     def count_error(self, endpoint: str, error: str) -> None:
         """Count an error that ended a connection before a request could be routed."""
