@@ -453,7 +453,11 @@ class Hasher:
     ) -> np.ndarray:
         """Row ids (int64 ``[..., n_heads]``) of contexts from :meth:`keys` (``[..., max_ngram]``)."""
         lt = self.layer_tables(layer)
-        arr = as_token_array(keys, name="keys")
+        return self._hash_keys(lt, as_token_array(keys, name="keys"), local, strict, out)
+
+    def _hash_keys(
+        self, lt: LayerTables, arr: np.ndarray, local: bool, strict: bool, out: np.ndarray | None
+    ) -> np.ndarray:
         if arr.shape[-1] != self.max_ngram:
             raise ShapeMismatch(f"keys must be [..., {self.max_ngram}], got shape {arr.shape}")
         if strict and self.id_bound is not None:

@@ -426,17 +426,9 @@ class GemmaHasher(Hasher):
     ) -> np.ndarray:
         return self._rows(token_ids, None, RowMode(compressed, strict), mask, None)
 
-    def hash_keys(
-        self,
-        keys: Any,
-        *,
-        layer: int | None = None,
-        local: bool = False,
-        strict: bool = True,
-        out: np.ndarray | None = None,
+    def _hash_keys(
+        self, lt: LayerTables, arr: np.ndarray, local: bool, strict: bool, out: np.ndarray | None
     ) -> np.ndarray:
-        self.layer_tables(layer)
-        arr = as_token_array(keys, name="keys")
         if arr.shape[-1] != 1:
             raise ShapeMismatch(f"gemma3n keys must be [..., 1], got shape {arr.shape}")
         res = prepare_out(out, arr.shape)
