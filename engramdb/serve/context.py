@@ -9,6 +9,7 @@ the wire lane (`engramdb.serve.lane`) get a context passed in; none of them know
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,18 @@ class Limits:
                 f"limit is {self.max_response_bytes:,}"
             )
         return nbytes
+
+
+def send_now(sock: socket.socket, parts: list[Any]) -> int | None:
+    """Send what a non-blocking socket takes now (one ``send``, or one ``sendmsg`` for
+    several parts): the bytes sent, 0 when its buffer is full, None when the peer is gone
+    (the caller closes the connection)."""
+    try:
+        return sock.send(parts[0]) if len(parts) == 1 else sock.sendmsg(parts)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError:
+        return None
 
 
 def error_label(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ from engramdb.errors import (
     StoreClosed,
 )
 from engramdb.table_api import RowTable, TableSchema
+from engramdb.testing.threads import run_threads
 
 __all__ = ["MemoryTable", "TableContract"]
 
@@ -317,37 +318,27 @@ class TableContract:
     # --- threads ----------------------------------------------------------------------------
     def test_concurrent_reads_equal_the_source(self, table: Case) -> None:
         t, rows, heads = table
-        errors: list[BaseException] = []
         start = threading.Barrier(self.threads)
 
         def reader(seed: int) -> None:
             rng = np.random.default_rng(100 + seed)
-            try:
-                start.wait()
-                for i in range(self.batches_per_thread):
-                    n = int(rng.integers(1, 600))
-                    ids = rng.integers(0, rows.shape[0], n)
-                    if i % 3 == 0:
-                        got = t.fetch(ids)
-                    elif i % 3 == 1:
-                        got = np.empty((n, t.row_bytes), np.uint8)
-                        with self._into(t, got):
-                            t.fetch_into(ids, got)
-                    else:
-                        local = _local_ids(rng, heads, (1, n))
-                        got = np.empty((*local.shape, t.row_bytes), np.uint8)
-                        with self._into(t, got):
-                            t.lookup_into(local, got)
-                        ids = local + _offsets(heads)
-                    if not np.array_equal(got, rows[ids]):
-                        raise AssertionError(f"thread {seed}: batch {i} differs from the source")
-            except BaseException as e:
-                errors.append(e)
+            start.wait()
+            for i in range(self.batches_per_thread):
+                n = int(rng.integers(1, 600))
+                ids = rng.integers(0, rows.shape[0], n)
+                if i % 3 == 0:
+                    got = t.fetch(ids)
+                elif i % 3 == 1:
+                    got = np.empty((n, t.row_bytes), np.uint8)
+                    with self._into(t, got):
+                        t.fetch_into(ids, got)
+                else:
+                    local = _local_ids(rng, heads, (1, n))
+                    got = np.empty((*local.shape, t.row_bytes), np.uint8)
+                    with self._into(t, got):
+                        t.lookup_into(local, got)
+                    ids = local + _offsets(heads)
+                if not np.array_equal(got, rows[ids]):
+                    raise AssertionError(f"thread {seed}: batch {i} differs from the source")
 
-        workers = [threading.Thread(target=reader, args=(k,)) for k in range(self.threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if errors:
-            raise errors[0]
+        run_threads(reader, [(k,) for k in range(self.threads)])
