@@ -365,7 +365,14 @@ class Backend(Closing, abc.ABC):
     ) -> Backend:
         """The backend that should serve a batch; ``fds``/``offsets``/``lengths`` may be a
         sample of it (``batch_rows`` is then the full batch size). A plain backend returns
-        itself."""
+        itself; `AutoBackend` applies the auto rule (`_choose`)."""
+        n = int(np.size(offsets)) if batch_rows is None else int(batch_rows)
+        return self._choose(fds, offsets, lengths, n)
+
+    def _choose(
+        self, fds: ArrayLike, offsets: ArrayLike, lengths: ArrayLike | None, n: int
+    ) -> Backend:
+        """`choose` for a batch of ``n`` requests (``fds``/``offsets`` may be a sample)."""
         return self
 
     def feedback(self, chosen: Backend, requests: int, seconds: float) -> None:

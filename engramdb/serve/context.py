@@ -13,7 +13,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any
 
 from engramdb._version import __version__
@@ -91,30 +91,18 @@ def error_label(exc: BaseException) -> str:
     return type(exc).__name__ if isinstance(exc, EngramDBError) else "InternalError"
 
 
+@dataclass(slots=True, eq=False)
 class Reply:
     """A response ready to send (HTTP or wire): its byte parts and what the metrics need."""
 
-    __slots__ = ("status", "parts", "endpoint", "table", "rows", "nbytes", "error", "close")
-
-    def __init__(
-        self,
-        status: int,
-        parts: list[Any],
-        endpoint: str,
-        table: str = "",
-        rows: int = 0,
-        nbytes: int = 0,
-        error: str | None = None,
-        close: bool = False,
-    ):
-        self.status = status
-        self.parts = parts
-        self.endpoint = endpoint
-        self.table = table
-        self.rows = rows
-        self.nbytes = nbytes
-        self.error = error
-        self.close = close
+    status: int
+    parts: list[Any]
+    endpoint: str
+    table: str = ""
+    rows: int = 0
+    nbytes: int = 0
+    error: str | None = None
+    close: bool = False
 
     def observe(self, metrics: Metrics, seconds: float, bytes_in: int) -> None:
         """Count this reply once it is queued for sending."""
@@ -130,31 +118,21 @@ class Reply:
         )
 
 
+@dataclass(slots=True, eq=False)
 class Job:
     """Work for the worker pool on behalf of one connection (a large gather): ``fn`` runs
     off the connection's thread and returns the `Reply` to send; the connection reads no
     further request until that reply is out. ``owner`` is the connection; ``future`` is set
     once submitted."""
 
-    __slots__ = ("fn", "endpoint", "table", "t0", "bytes_in", "owner", "future")
-
-    def __init__(
-        self,
-        fn: Callable[[], Reply],
-        endpoint: str,
-        table: str,
-        *,
-        t0: float = 0.0,
-        bytes_in: int = 0,
-        owner: Any = None,
-    ):
-        self.fn = fn
-        self.endpoint = endpoint
-        self.table = table
-        self.t0 = t0
-        self.bytes_in = bytes_in
-        self.owner = owner
-        self.future: Future[Reply] | None = None
+    fn: Callable[[], Reply]
+    endpoint: str
+    table: str
+    _: KW_ONLY
+    t0: float = 0.0
+    bytes_in: int = 0
+    owner: Any = None
+    future: Future[Reply] | None = field(default=None, init=False)
 
 
 def _no_gauges() -> tuple[int, int]:
