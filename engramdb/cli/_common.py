@@ -64,6 +64,13 @@ def file_option(flag: str, dest: str, help: str) -> Callable[[F], F]:  # noqa: A
     )
 
 
+def progress_bar(quiet: bool, label: str, total: int) -> Any:
+    """The CLI's progress bar (on stderr; ``quiet`` hides it) for a known ``total``: a
+    context manager whose ``update(n)`` is a library ``progress`` callback. `LazyBar` opens
+    the same bar where the total is known only at the first report."""
+    return click.progressbar(length=total, label=label, hidden=quiet, file=sys.stderr)
+
+
 #: ``--quiet`` / ``-q``: hide the progress bar.
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 
@@ -81,9 +88,7 @@ class LazyBar(Closing):
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = click.progressbar(
-                length=total, label=self.label, hidden=self.quiet, file=sys.stderr
-            )
+            self.bar = progress_bar(self.quiet, self.label, total)
             self.bar.__enter__()
         self.bar.update(done - self.done)
         self.done = done
