@@ -18,9 +18,10 @@ from engramdb.errors import (
 from engramdb.io import BACKENDS
 from engramdb.store import Store
 from engramdb.stream import stream as _stream
+from engramdb.table_api import Closing
 
 
-class Database:
+class Database(Closing):
     """A snapshot of a database: the manifest read at open, its tables opened on first use.
 
     Opening checks every shard's size against the manifest (a truncated shard is an error
@@ -116,12 +117,6 @@ class Database:
                 s.close()
             self._stores.clear()
             self._closed = True
-
-    def __enter__(self) -> Database:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Database {str(self.path)!r} tables={self.tables}>"

@@ -8,7 +8,6 @@ of one table asks for: its Store-P views, prefetch submission, the hot set, and 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -16,7 +15,6 @@ import numpy as np
 
 from engramdb.errors import InvalidArgument
 from engramdb.keygen import preset as keygen_preset
-from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import load_index
 from engramdb.read.prefetch import Ticket
 from engramdb.read.table import LocalTable
@@ -34,16 +32,7 @@ class Store(LocalTable):
     only after validation passed, so a bad id never leaves a half-written buffer.
     """
 
-    def __init__(
-        self,
-        db_path: str | os.PathLike[str],
-        info: TableInfo,
-        *,
-        backend: str = "auto",
-        ram_budget: int | str | None = None,
-        **backend_options: Any,
-    ):
-        super().__init__(db_path, info, backend=backend, ram_budget=ram_budget, **backend_options)
+    def _opened(self) -> None:
         self._views: dict[str, View] = {}
         self._views_lock = threading.Lock()
         self._hashers: dict[str, Any] = {}

@@ -13,7 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,22 @@ from engramdb.validate import (
     check_lookup_ids,
     check_output,
 )
+
+_C = TypeVar("_C", bound="Closing")
+
+
+class Closing:
+    """The context-manager half of every handle that has a `close` (tables, databases,
+    clients, backends, readers): ``with handle:`` closes it when the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def head_offsets_of(heads: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -85,7 +101,7 @@ class TableSchema:
         )
 
 
-class RowTable(ABC):
+class RowTable(Closing, ABC):
     """The read surface shared by every table handle.
 
     Global row ids (``head_offsets[h] + local``) go to `fetch` / `fetch_into`; per-head local
@@ -202,13 +218,6 @@ class RowTable(ABC):
             )
         check_head_bounds(local, self.heads)
         return local + self.head_offsets
-
-    # -- context manager ----------------------------------------------------------------------
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.n_rows:,} rows x {self.row_bytes} B"

@@ -89,6 +89,10 @@ class _DiskTable(nn.Module):
         self.store = store
         self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
         self._decode = _Decoder(self.codec, out_dtype, scale)
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a module adds once the table and codec are set (the constructor is shared)."""
 
 
 class DiskEmbedding(_DiskTable):
@@ -100,16 +104,8 @@ class DiskEmbedding(_DiskTable):
     `RowIdOutOfRange` (an ``IndexError``, as ``nn.Embedding`` raises).
     """
 
-    def __init__(
-        self,
-        store: RowTable,
-        *,
-        out_dtype: torch.dtype | None = None,
-        scale: float | None = None,
-        dim: int | None = None,
-    ):
-        super().__init__(store, out_dtype=out_dtype, scale=scale, dim=dim)
-        self.num_embeddings = store.n_rows
+    def _setup(self) -> None:
+        self.num_embeddings = self.store.n_rows
         self.embedding_dim = self.codec.dim
         self._staging = threading.local()
 
@@ -147,17 +143,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
 
     offsets: torch.Tensor
 
-    def __init__(
-        self,
-        store: RowTable,
-        *,
-        out_dtype: torch.dtype | None = None,
-        scale: float | None = None,
-        dim: int | None = None,
-    ):
-        super().__init__(store, out_dtype=out_dtype, scale=scale, dim=dim)
+    def _setup(self) -> None:
         self.register_buffer(
-            "offsets", torch.from_numpy(store.head_offsets.copy()), persistent=False
+            "offsets", torch.from_numpy(self.store.head_offsets.copy()), persistent=False
         )
 
     def forward(self, local_ids: Any) -> torch.Tensor:

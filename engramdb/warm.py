@@ -19,19 +19,16 @@ from dataclasses import dataclass
 
 from engramdb.database import Database
 from engramdb.read.index import load_index
+from engramdb.units import Summary
 
 
 @dataclass(frozen=True)
-class WarmSummary:
+class WarmSummary(Summary):
     table: str
     bytes: int
     seconds: float
     resident_before: float
     resident_after: float
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def line(self) -> str:
         return (
@@ -78,17 +75,13 @@ def warm_view(db: Database, table: str, name: str, *, threads: int = 4) -> WarmS
 
 
 @dataclass(frozen=True)
-class HotSummary:
+class HotSummary(Summary):
     table: str
     rows: int
     hot_rows: int
     bytes: int
     budget_bytes: int
     seconds: float
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def line(self) -> str:
         return (

@@ -13,6 +13,7 @@ Processes are stopped by their PID (SIGTERM, then SIGKILL after a grace period).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
 import os
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
@@ -195,3 +196,54 @@ def run_python(code: str, *, timeout: float, env: dict[str, str] | None = None) 
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc.stdout
+
+
+# One deployment per test process: the Mooncake client library keeps process-wide state bound
+# to the namespace of its first client, so a second private namespace in the same process
+# cannot host a client. The first module to ask creates the namespace and the cluster; every
+# module moves into that namespace for its duration and back out after; the processes stop
+# when the test process exits (by PID).
+_shared: tuple[int, Cluster] | None = None
+
+
+def _setns(fd: int) -> None:
+    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns to a network namespace")
+
+
+def module_cluster() -> Iterator[Cluster]:
+    """The body of a module-scoped ``cluster`` fixture: the shared deployment, with this
+    thread inside its namespace (and ``MC_TCP_BIND_ADDRESS=127.0.0.1``) until the module
+    ends. Skips the module where no private namespace can be created."""
+    global _shared
+    home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    old = os.environ.get("MC_TCP_BIND_ADDRESS")
+    try:
+        if _shared is None:
+            try:
+                restore = enter_private_netns()
+            except NamespaceUnavailable as e:
+                import pytest
+
+                pytest.skip(f"cannot create a private network namespace for Mooncake: {e}")
+            ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+            try:
+                cluster = Cluster().start()
+            except BaseException:
+                restore()
+                os.close(ns)
+                raise
+            atexit.register(cluster.stop)
+            _shared = (ns, cluster)
+        else:
+            _setns(_shared[0])
+            os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+        yield _shared[1]
+    finally:
+        _setns(home)
+        os.close(home)
+        if old is None:
+            os.environ.pop("MC_TCP_BIND_ADDRESS", None)
+        else:
+            os.environ["MC_TCP_BIND_ADDRESS"] = old

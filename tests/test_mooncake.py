@@ -7,7 +7,6 @@ No mocks: every test talks to a real ``mooncake_master`` and a real storage host
 from __future__ import annotations
 
 import itertools
-import os
 import textwrap
 import time
 from collections.abc import Iterator
@@ -45,7 +44,7 @@ except ImportError:
         allow_module_level=True,
     )
 
-from mooncake_harness import Cluster, NamespaceUnavailable, enter_private_netns, run_python
+from mooncake_harness import Cluster, module_cluster, run_python
 
 RB = 264
 SIZES = [17, 19, 23, 29]
@@ -54,22 +53,7 @@ _layer_ids = itertools.count(100)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    try:
-        restore = enter_private_netns()
-    except NamespaceUnavailable as e:
-        pytest.skip(f"cannot create a private network namespace for the Mooncake tests: {e}")
-    old = os.environ.get("MC_TCP_BIND_ADDRESS")
-    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    c = Cluster()
-    try:
-        yield c.start()
-    finally:
-        c.stop()
-        restore()
-        if old is None:
-            os.environ.pop("MC_TCP_BIND_ADDRESS", None)
-        else:
-            os.environ["MC_TCP_BIND_ADDRESS"] = old
+    yield from module_cluster()
 
 
 @pytest.fixture(scope="module")

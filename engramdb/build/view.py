@@ -71,7 +71,7 @@ from engramdb.layouts.view import (
 )
 from engramdb.read.index import load_index
 from engramdb.store import Store
-from engramdb.units import parse_size
+from engramdb.units import Summary, parse_size
 from engramdb.validate import check_bounds
 
 __all__ = ["BUILD_BATCH_BYTES", "ViewBuildSummary", "build_view"]
@@ -109,7 +109,7 @@ def _int64_matrix(arr: np.ndarray, what: str, width: int | None = None) -> np.nd
 
 
 @dataclass(frozen=True)
-class ViewBuildSummary:
+class ViewBuildSummary(Summary):
     """What one `build_view` did. Sizes in bytes, time in seconds."""
 
     table: str
@@ -130,11 +130,10 @@ class ViewBuildSummary:
             if self.budget_bytes is not None and self.records < self.keys_total
             else ""
         )
-        rate = self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
         return (
             f"built view {self.name!r} of table {self.table!r}: {self.records:,} records x "
             f"{self.record_bytes} B{kept}, {self.bytes / 1e9:.3f} GB written, "
-            f"{self.rows_fetched:,} rows gathered in {self.seconds:.2f} s ({rate:.2f} GB/s)"
+            f"{self.rows_fetched:,} rows gathered in {self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)"
         )
 
 

@@ -1,17 +1,19 @@
 """Shared CLI plumbing: library errors become clean ``click`` errors at the edge, one lazy
-progress bar, the backend option, and the text of summaries and problems."""
+progress bar, the shared options (backend, quiet, files, shown defaults), and the text of summaries and problems."""
 
 from __future__ import annotations
 
 import functools
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import click
 
 from engramdb.errors import EngramDBError
 from engramdb.io.select import BACKENDS
+from engramdb.table_api import Closing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,18 +40,42 @@ def int_list(text: str | None) -> list[int] | None:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+def shown_option(
+    decls: str | tuple[str, ...],
+    default: Any,
+    help: str | None = None,  # noqa: A002
+    type: Any = None,  # noqa: A002
+) -> Callable[[F], F]:
+    """An option (``decls``: its flag, or flag and names) whose ``--help`` shows its
+    default."""
+    names = (decls,) if isinstance(decls, str) else decls
+    return click.option(*names, type=type, default=default, show_default=True, help=help)
+
+
 def backend_option(help: str | None = None) -> Callable[[F], F]:  # noqa: A002
     """``--backend`` with the choices of `engramdb.io.select.BACKENDS` (default ``auto``)."""
+    return shown_option("--backend", "auto", help, click.Choice(BACKENDS))
+
+
+def file_option(flag: str, dest: str, help: str) -> Callable[[F], F]:  # noqa: A002
+    """An option naming an existing file (a `pathlib.Path`), stored in ``dest``."""
     return click.option(
-        "--backend",
-        type=click.Choice(BACKENDS),
-        default="auto",
-        show_default=True,
-        help=help,
+        flag, dest, type=click.Path(exists=True, dir_okay=False, path_type=Path), help=help
     )
 
 
-class LazyBar:
+def progress_bar(quiet: bool, label: str, total: int) -> Any:
+    """The CLI's progress bar (on stderr; ``quiet`` hides it) for a known ``total``: a
+    context manager whose ``update(n)`` is a library ``progress`` callback. `LazyBar` opens
+    the same bar where the total is known only at the first report."""
+    return click.progressbar(length=total, label=label, hidden=quiet, file=sys.stderr)
+
+
+#: ``--quiet`` / ``-q``: hide the progress bar.
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+
+
+class LazyBar(Closing):
     """A click progress bar (on stderr) opened at the first report, once the total is known.
 
     Pass it as a library ``progress(done, total)`` callback; `close` it (or use it as a
@@ -62,9 +88,7 @@ class LazyBar:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = click.progressbar(
-                length=total, label=self.label, hidden=self.quiet, file=sys.stderr
-            )
+            self.bar = progress_bar(self.quiet, self.label, total)
             self.bar.__enter__()
         self.bar.update(done - self.done)
         self.done = done
@@ -72,12 +96,6 @@ class LazyBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
-
-    def __enter__(self) -> LazyBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _HasLine(Protocol):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument
+from engramdb.units import per_second
 from engramdb.view import View
 
 __all__ = ["LatencyResult", "ThroughputResult", "measure_latency", "measure_throughput"]
@@ -50,11 +51,11 @@ class ThroughputResult:
 
     @property
     def records_per_s(self) -> float:
-        return self.records / self.seconds if self.seconds > 0 else float("inf")
+        return per_second(self.records, self.seconds)
 
     @property
     def mb_per_s(self) -> float:
-        return self.bytes_returned / 1e6 / self.seconds if self.seconds > 0 else float("inf")
+        return per_second(self.bytes_returned / 1e6, self.seconds)
 
     @property
     def api_amplification(self) -> float:

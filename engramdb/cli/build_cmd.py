@@ -1,11 +1,15 @@
 from __future__ import annotations
 
-import sys
-
 import click
 
 from engramdb.build import build
-from engramdb.cli._common import echo_summaries, int_list, library_errors
+from engramdb.cli._common import (
+    echo_summaries,
+    int_list,
+    library_errors,
+    progress_bar,
+    quiet_option,
+)
 from engramdb.sources import resolve_sources
 from engramdb.units import parse_size
 
@@ -36,7 +40,7 @@ from engramdb.units import parse_size
 @click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
 @click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
 @click.option("--force", is_flag=True, help="Replace the table if it exists.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def build_cmd(
     db: str,
@@ -57,9 +61,7 @@ def build_cmd(
     the previous database exactly as it was.
     """
     total = sum(s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g)
-    with click.progressbar(
-        length=total, label=f"building {table}", hidden=quiet, file=sys.stderr
-    ) as bar:
+    with progress_bar(quiet, f"building {table}", total) as bar:
         summary = build(
             db,
             table,

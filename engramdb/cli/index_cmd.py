@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from engramdb.build.index import DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
-from engramdb.cli._common import LazyBar, echo_summaries, library_errors
+from engramdb.cli._common import LazyBar, echo_summaries, library_errors, quiet_option, shown_option
 from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
 
@@ -26,11 +26,10 @@ from engramdb.keygen import PRESETS
 @click.option(
     "--layer", type=int, help="Model layer of the table (needed when the preset has several)."
 )
-@click.option(
+@shown_option(
     "--hot-rows",
     type=click.IntRange(min=0),
     default=DEFAULT_HOT_ROWS,
-    show_default=True,
     help="Size of the hot set: the most frequent rows, with counts.",
 )
 @click.option(
@@ -49,14 +48,13 @@ from engramdb.keygen import PRESETS
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="DeepSeek: frozen compression map (.npy) for raw token ids.",
 )
-@click.option(
+@shown_option(
     "--chunk-tokens",
     type=click.IntRange(min=1),
     default=DEFAULT_CHUNK_TOKENS,
-    show_default=True,
     help="Tokens hashed per step (bounds working memory).",
 )
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def index_cmd(
     corpus: Path,

@@ -6,7 +6,7 @@ import sys
 import click
 
 from engramdb.build import drop_table
-from engramdb.cli._common import echo_problems, library_errors
+from engramdb.cli._common import echo_problems, library_errors, progress_bar, quiet_option
 from engramdb.database import Database
 from engramdb.units import format_bytes
 from engramdb.verify import total_bytes, verify
@@ -43,7 +43,7 @@ def info_cmd(db: str, as_json: bool) -> None:
 @click.option(
     "--full", is_flag=True, help="Compare every view slot with Store-I (default: a sample)."
 )
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool) -> None:
     """Recompute every shard checksum of DB and check its Store-P views (checksums, and
@@ -52,7 +52,7 @@ def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool) -> Non
 
     names = list(tables) or None
     total = total_bytes(db, names) + views_bytes(db, names)
-    with click.progressbar(length=total, label="verifying", hidden=quiet, file=sys.stderr) as bar:
+    with progress_bar(quiet, "verifying", total) as bar:
         problems = verify(db, tables=names, progress=bar.update)
         view_problems = verify_views(
             db,

@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-import sys
-
 import click
 
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import library_errors, progress_bar, quiet_option
 from engramdb.database import Database
 from engramdb.integrations import mooncake
 from engramdb.units import parse_size
@@ -49,7 +47,7 @@ from engramdb.units import parse_size
     "Default: every such view.",
 )
 @click.option("--no-views", is_flag=True, help="Publish the tables only, no views.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def publish(
     db: str,
@@ -81,9 +79,7 @@ def publish(
             for t in chosen
             if t in database
         )
-        with click.progressbar(
-            length=total, label=f"publishing {len(chosen)} table(s)", hidden=quiet, file=sys.stderr
-        ) as bar:
+        with progress_bar(quiet, f"publishing {len(chosen)} table(s)", total) as bar:
             summary = mooncake.publish(
                 database,
                 master=master,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import library_errors, shown_option
 from engramdb.errors import InvalidArgument
 from engramdb.serve.auth import load_token, token_file_is_private
 from engramdb.serve.context import Limits
@@ -16,6 +17,12 @@ from engramdb.serve.server import Server
 from engramdb.units import parse_size
 
 _D = Limits()
+
+
+def _limit(flag: str, help: str) -> Any:  # noqa: A002
+    """An option for the `Limits` field named like ``flag``: its default and type."""
+    default = getattr(_D, flag[2:].replace("-", "_"))
+    return shown_option(flag, default, help, type(default))
 
 
 @click.command("serve")
@@ -34,12 +41,7 @@ _D = Limits()
     default=None,
     help="Listen on this Unix socket. Alone it replaces TCP; with --host/--port it adds to it.",
 )
-@click.option(
-    "--unix-mode",
-    default="600",
-    show_default=True,
-    help="Octal permissions of the Unix socket file.",
-)
+@shown_option("--unix-mode", "600", "Octal permissions of the Unix socket file.")
 @click.option(
     "--token-file",
     type=click.Path(exists=True, dir_okay=False),
@@ -56,49 +58,27 @@ _D = Limits()
     default=None,
     help="RAM tier size per table, e.g. 8G.",
 )
-@click.option("--backend", default="auto", show_default=True, help="Reader backend.")
+@shown_option("--backend", "auto", "Reader backend.")
 @click.option(
     "--populate",
     is_flag=True,
     help="Fault every table into memory before accepting (warm start; seconds per GB).",
 )
-@click.option(
-    "--max-rows", type=int, default=_D.max_rows, show_default=True, help="Ids per request."
-)
-@click.option("--max-body", default="16M", show_default=True, help="Request body bytes.")
-@click.option("--max-response", default="256M", show_default=True, help="Response body bytes.")
-@click.option(
-    "--max-connections",
-    type=int,
-    default=_D.max_connections,
-    show_default=True,
-    help="Open connections; more are refused with a 503.",
-)
-@click.option(
-    "--idle-timeout",
-    type=float,
-    default=_D.idle_timeout,
-    show_default=True,
-    help="Seconds before an idle keep-alive connection is closed.",
-)
-@click.option(
-    "--grace",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds in-flight requests get to finish after SIGTERM.",
-)
-@click.option(
+@_limit("--max-rows", "Ids per request.")
+@shown_option("--max-body", "16M", "Request body bytes.")
+@shown_option("--max-response", "256M", "Response body bytes.")
+@_limit("--max-connections", "Open connections; more are refused with a 503.")
+@_limit("--idle-timeout", "Seconds before an idle keep-alive connection is closed.")
+@shown_option("--grace", 10.0, "Seconds in-flight requests get to finish after SIGTERM.", float)
+@shown_option(
     "--wire/--no-wire",
     default=True,
-    show_default=True,
     help="Also speak the binary wire protocol (row reads without HTTP) on every listener.",
 )
-@click.option(
+@shown_option(
     "--spin-us",
     type=float,
     default=DEFAULT_SPIN_US,
-    show_default=True,
     help="Microseconds the wire-protocol thread keeps polling after each burst of work "
     "(0: sleep at once; trades idle CPU for latency).",
 )

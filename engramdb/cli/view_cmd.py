@@ -3,41 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
 from engramdb.build.view import build_view
-from engramdb.cli._common import library_errors
+from engramdb.cli._common import LazyBar, file_option, library_errors, quiet_option
 from engramdb.cli.bench import measure_latency, measure_throughput
 from engramdb.keygen import PRESETS
 from engramdb.view import View
 
 _BACKENDS = ("auto", "mmap", "preadv", "io_uring")
-
-
-class _Bar:
-    """A click progress bar opened at the first report, once the total is known."""
-
-    def __init__(self, quiet: bool, label: str) -> None:
-        self.quiet, self.label = quiet, label
-        self.bar: Any = None
-        self.done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = click.progressbar(
-                length=total, label=self.label, hidden=self.quiet, file=sys.stderr
-            )
-            self.bar.__enter__()
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
 
 
 def _view_options(fn: Any) -> Any:
@@ -53,26 +30,15 @@ def view_group() -> None:
 
 @view_group.command("build")
 @_view_options
-@click.option(
-    "--keys",
-    "keys_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="int64 [K, max_ngram] .npy of keys in access order.",
-)
-@click.option(
-    "--counts",
-    "counts_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="With --keys: [K] .npy of key counts (ranks keys for --disk-budget).",
+@file_option("--keys", "keys_file", "int64 [K, max_ngram] .npy of keys in access order.")
+@file_option(
+    "--counts", "counts_file", "With --keys: [K] .npy of key counts (ranks keys for --disk-budget)."
 )
 @click.option(
     "--from-index", is_flag=True, help="Use the keys and counts of `engramdb index` for T."
 )
-@click.option(
-    "--rows",
-    "rows_file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="int64 [K, H] .npy of global row ids: record i = the rows of line i.",
+@file_option(
+    "--rows", "rows_file", "int64 [K, H] .npy of global row ids: record i = the rows of line i."
 )
 @click.option(
     "--preset",
@@ -90,7 +56,7 @@ def view_group() -> None:
     help="Slot size (default: the record size); larger pads each slot with zeros.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing view of that name.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def build_cmd(
     db: Path,
@@ -110,8 +76,7 @@ def build_cmd(
     """Build view NAME of table T in database DB from keys (--keys / --from-index) or
     explicit row ids (--rows), gathering every record from Store-I, and publish it
     atomically. Ends with a one-line summary."""
-    bar = _Bar(quiet, "gathering")
-    try:
+    with LazyBar(quiet, "gathering") as bar:
         summary = build_view(
             db,
             table=table,
@@ -127,8 +92,6 @@ def build_cmd(
             force=force,
             progress=bar,
         )
-    finally:
-        bar.close()
     click.echo(summary.line())
 
 

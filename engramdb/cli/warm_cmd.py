@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-import sys
-
 import click
 
-from engramdb.cli._common import echo_summaries, library_errors
+from engramdb.cli._common import echo_summaries, library_errors, progress_bar, quiet_option
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument
 from engramdb.warm import residency, warm_hot, warm_tables, warm_view
@@ -22,7 +20,7 @@ from engramdb.warm import residency, warm_hot, warm_tables, warm_view
 )
 @click.option("--ram-budget", default=None, help="RAM tier size per table, e.g. 8G (with --hot).")
 @click.option("--check", is_flag=True, help="Only report page-cache residency; read nothing.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@quiet_option
 @library_errors
 def warm_cmd(
     db: str,
@@ -65,6 +63,6 @@ def warm_cmd(
             echo_summaries(warm_hot(d, names))
             return
         total = sum(d[n].nbytes for n in names)
-        with click.progressbar(length=total, label="warming", hidden=quiet, file=sys.stderr) as bar:
+        with progress_bar(quiet, "warming", total) as bar:
             summaries = warm_tables(d, names, threads=threads, progress=bar.update)
     echo_summaries(summaries)

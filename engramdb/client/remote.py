@@ -34,14 +34,14 @@ from engramdb.serve.protocol import (
     format_shape,
     raise_for_error,
 )
-from engramdb.table_api import RowTable, TableSchema
+from engramdb.table_api import Closing, RowTable, TableSchema
 from engramdb.validate import as_rowids, check_lookup_ids, check_output
 
 _LITTLE = sys.byteorder == "little"
 _BINARY_HEADERS = b"Content-Type: application/octet-stream\r\nAccept: application/octet-stream\r\n"
 
 
-class Client:
+class Client(Closing):
     """A connection to ``engramdb serve``: the remote twin of `engramdb.Database`.
 
     ``tables`` (names), ``client[name]`` (a `RemoteStore`), ``in`` / ``len`` / iteration,
@@ -274,12 +274,6 @@ class Client:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<Client {self.url!r} tables={self.tables}>"
 
@@ -330,10 +324,8 @@ class RemoteStore(RowTable):
         return f"table {self.name!r}: client for {self._client.url} is closed"
 
     def __repr__(self) -> str:
-        return (
-            f"<RemoteStore {self.name!r} at {self._client.url}: {self.n_rows:,} rows x "
-            f"{self.row_bytes} B, {self.n_heads} heads>"
-        )
+        state = "closed" if self.closed else f"{self.n_rows:,} rows x {self.row_bytes} B"
+        return f"<RemoteStore {self.name!r} at {self._client.url}: {state}, {self.n_heads} heads>"
 
     # -- reads --------------------------------------------------------------------------------------
     def _post_ids(
@@ -396,9 +388,10 @@ class RemoteStore(RowTable):
             return super().fetch_into(ids, out)
         check_output(out, ids.shape + (self.row_bytes,))
         if ids.size:
-            # the shape travels when it is not 1-D, so a refusal names the position a local
-            # Store would
-            shape = None if len(ids.shape) == 1 else ids.shape
+            # the shape travels when it has two or more axes, so a refusal names the position
+            # a local Store would (a scalar id travels as one id: an empty shape header would
+            # be refused)
+            shape = None if ids.ndim <= 1 else ids.shape
             self._post_ids(False, _wire_ids(ids), out.data.cast("B"), shape)
             self._count(ids.size)
         return out

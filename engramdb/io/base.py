@@ -37,6 +37,7 @@ from engramdb.errors import (
     StoreClosed,
 )
 from engramdb.stats import Stats
+from engramdb.table_api import Closing
 from engramdb.validate import check_output
 
 __all__ = [
@@ -302,7 +303,7 @@ class BackendStats(Stats):
     syscalls: int = 0
 
 
-class Backend(abc.ABC):
+class Backend(Closing, abc.ABC):
     """Reads batches of byte ranges from open files into caller memory.
 
     Subclasses implement `_read` (called with a validated, non-empty `Batch`) and may
@@ -364,7 +365,14 @@ class Backend(abc.ABC):
     ) -> Backend:
         """The backend that should serve a batch; ``fds``/``offsets``/``lengths`` may be a
         sample of it (``batch_rows`` is then the full batch size). A plain backend returns
-        itself."""
+        itself; `AutoBackend` applies the auto rule (`_choose`)."""
+        n = int(np.size(offsets)) if batch_rows is None else int(batch_rows)
+        return self._choose(fds, offsets, lengths, n)
+
+    def _choose(
+        self, fds: ArrayLike, offsets: ArrayLike, lengths: ArrayLike | None, n: int
+    ) -> Backend:
+        """`choose` for a batch of ``n`` requests (``fds``/``offsets`` may be a sample)."""
         return self
 
     def feedback(self, chosen: Backend, requests: int, seconds: float) -> None:
@@ -415,12 +423,6 @@ class Backend(abc.ABC):
 
     def _close(self) -> None:
         return None
-
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -20,11 +20,12 @@ from engramdb.errors import InvalidArgument, InvalidDtype, ShapeMismatch
 from engramdb.io.base import Backend, check_dest, read_error
 from engramdb.io.preadv import PreadvBackend
 from engramdb.io.uring import IoUringBackend
+from engramdb.table_api import Closing
 
 __all__ = ["IoUringPageReader", "PageReader"]
 
 
-class PageReader:
+class PageReader(Closing):
     """Reads whole pages at aligned offsets from caller-owned descriptors.
 
     ``page_size`` is a positive multiple of 512. ``backend`` defaults to a `PreadvBackend`
@@ -109,12 +110,6 @@ class PageReader:
     def close(self) -> None:
         if self._owns:
             self.backend.close()
-
-    def __enter__(self) -> PageReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class IoUringPageReader(PageReader):

@@ -223,21 +223,17 @@ class AutoBackend(Backend):
             return 0.0
         return hits / k
 
-    def choose(
-        self,
-        fds: ArrayLike,
-        offsets: ArrayLike,
-        lengths: ArrayLike | None = None,
-        *,
-        batch_rows: int | None = None,
+    def _choose(
+        self, fds: ArrayLike, offsets: ArrayLike, lengths: ArrayLike | None, n: int
     ) -> Backend:
-        """The backend for this batch (see the class docstring for the cost).
+        """The backend for this batch of ``n`` requests (see the class docstring for the cost).
 
         ``fds``/``offsets``/``lengths`` describe the batch's requests, or an evenly spread
-        sample of them (at least ``samples`` long) with ``batch_rows`` the batch size: a
-        caller that has row ids rather than offsets only needs to locate that sample.
-        ``lengths`` (an int for equal rows) lets the rule skip O_DIRECT where it would not
-        save device bytes (`direct_pays`); without it O_DIRECT is assumed to pay.
+        sample of them (at least ``samples`` long), with ``n`` (`choose`'s ``batch_rows``)
+        the batch size: a caller that has row ids rather than offsets only needs to locate
+        that sample. ``lengths`` (an int for equal rows) lets the rule skip O_DIRECT where
+        it would not save device bytes (`direct_pays`); without it O_DIRECT is assumed to
+        pay.
         """
         if self._closed:
             raise StoreClosed("auto backend is closed")
@@ -245,7 +241,6 @@ class AutoBackend(Backend):
         if mapped is None:
             chosen: Backend = self.cold
         else:
-            n = int(np.size(offsets)) if batch_rows is None else int(batch_rows)
             if self._state is mapped:
                 if n >= self.min_sampled or self._suspect:
                     k = self.samples if self._suspect else min(self.samples, 1 + n // 65536)

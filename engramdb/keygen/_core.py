@@ -24,13 +24,14 @@ from engramdb.errors import InvalidArgument, ShapeMismatch, TokenIdOutOfRange
 from engramdb.keygen._arith import INT64_MAX, wrap_int64
 from engramdb.keygen._tables import (
     LayerTables,
+    RowMode,
     as_mask,
     as_token_array,
     check_range,
     prepare_out,
     to_int64,
 )
-from engramdb.keygen.stream import KeyStream, Step
+from engramdb.keygen.stream import History, KeyStream, Step
 
 # Re-exported for the kinds and older imports; they live in `engramdb.keygen._tables`.
 __all__ = [
@@ -361,7 +362,7 @@ class Hasher:
         raising :class:`TokenIdOutOfRange`. ``out`` may supply the int64 output buffer.
         Cost: ~20-40 ns per token on one core for 16-24 columns, O(T) memory.
         """
-        return self._rows(token_ids, layer, compressed, mask, strict, out, local=False)
+        return self._rows(token_ids, layer, RowMode(compressed, strict, False), mask, out)
 
     def local_ids(
         self,
@@ -374,24 +375,18 @@ class Hasher:
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Per-column local ids (int64 ``[..., T, n_heads]``, ``row_ids - offsets``)."""
-        return self._rows(token_ids, layer, compressed, mask, strict, out, local=True)
+        return self._rows(token_ids, layer, RowMode(compressed, strict, True), mask, out)
 
     def _rows(
-        self,
-        token_ids: Any,
-        layer: int | None,
-        compressed: bool,
-        mask: Any,
-        strict: bool,
-        out: np.ndarray | None,
-        *,
-        local: bool,
+        self, token_ids: Any, layer: int | None, mode: RowMode, mask: Any, out: np.ndarray | None
     ) -> np.ndarray:
         lt = self.layer_tables(layer)
-        ext, ext_bar, dead, shape = self._ext(token_ids, compressed, mask, strict)
+        ext, ext_bar, dead, shape = self._ext(token_ids, mode.compressed, mask, mode.strict)
         res = prepare_out(out, (*shape, lt.n_heads))
         n_seq, n_pos = ext.shape[0], shape[-1]
-        hash_ext(ext, ext_bar, dead, lt, self.fill_id, res.reshape(n_seq, n_pos, lt.n_heads), local)
+        hash_ext(
+            ext, ext_bar, dead, lt, self.fill_id, res.reshape(n_seq, n_pos, lt.n_heads), mode.local
+        )
         return res
 
     def keys(
@@ -458,7 +453,11 @@ class Hasher:
     ) -> np.ndarray:
         """Row ids (int64 ``[..., n_heads]``) of contexts from :meth:`keys` (``[..., max_ngram]``)."""
         lt = self.layer_tables(layer)
-        arr = as_token_array(keys, name="keys")
+        return self._hash_keys(lt, as_token_array(keys, name="keys"), local, strict, out)
+
+    def _hash_keys(
+        self, lt: LayerTables, arr: np.ndarray, local: bool, strict: bool, out: np.ndarray | None
+    ) -> np.ndarray:
         if arr.shape[-1] != self.max_ngram:
             raise ShapeMismatch(f"keys must be [..., {self.max_ngram}], got shape {arr.shape}")
         if strict and self.id_bound is not None:
@@ -482,23 +481,17 @@ class Hasher:
         )
 
     def stream_rows(
-        self,
-        lt: LayerTables,
-        arr: np.ndarray,
-        mask: Any,
-        compressed: bool,
-        strict: bool,
-        local: bool,
-        hist_ids: np.ndarray,
-        hist_bar: np.ndarray,
+        self, lt: LayerTables, arr: np.ndarray, mask: Any, mode: RowMode, hist: History
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Batched continuation: rows of ``arr`` ``[B, T]`` after ``hist`` ``[B, N-1]``, new hist.
 
         What a `KeyStream` calls for a push of more than one token."""
-        ext, ext_bar, dead, shape = self._ext(arr, compressed, mask, strict, hist_ids, hist_bar)
+        ext, ext_bar, dead, shape = self._ext(arr, mode.compressed, mask, mode.strict, *hist)
         res = np.empty((*shape, lt.n_heads), dtype=np.int64)
         n_seq, n_pos = ext.shape[0], shape[-1]
-        hash_ext(ext, ext_bar, dead, lt, self.fill_id, res.reshape(n_seq, n_pos, lt.n_heads), local)
+        hash_ext(
+            ext, ext_bar, dead, lt, self.fill_id, res.reshape(n_seq, n_pos, lt.n_heads), mode.local
+        )
         keep = ext.shape[1] - (self.max_ngram - 1)
         return res, ext[:, keep:].copy(), ext_bar[:, keep:].copy()
 

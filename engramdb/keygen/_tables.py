@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +49,15 @@ def _int_list(name: str, values: Any) -> list[int]:
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         raise InvalidArgument(f"{name} must be a 1-D list of integers, got {values!r}")
     return [int(v) for v in values]
+
+
+class RowMode(NamedTuple):
+    """How token ids become row ids: ``compressed`` (the ids are already tokenizer-compressed),
+    ``strict`` (out-of-vocabulary ids raise), ``local`` (per-head local ids, not global)."""
+
+    compressed: bool = False
+    strict: bool = True
+    local: bool = False
 
 
 @dataclass(frozen=True, eq=False)

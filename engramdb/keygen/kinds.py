@@ -35,6 +35,7 @@ from engramdb.keygen._config import (
 from engramdb.keygen._core import Hasher
 from engramdb.keygen._tables import (
     LayerTables,
+    RowMode,
     as_mask,
     as_token_array,
     check_range,
@@ -42,6 +43,7 @@ from engramdb.keygen._tables import (
     readonly_int64,
     to_int64,
 )
+from engramdb.keygen.stream import History
 from engramdb.keygen.tokenmap import TokenMap
 
 
@@ -409,40 +411,24 @@ class GemmaHasher(Hasher):
         return np.where(inside, ids, 0)
 
     def _rows(
-        self,
-        token_ids: Any,
-        layer: int | None,
-        compressed: bool,
-        mask: Any,
-        strict: bool,
-        out: np.ndarray | None,
-        *,
-        local: bool,
+        self, token_ids: Any, layer: int | None, mode: RowMode, mask: Any, out: np.ndarray | None
     ) -> np.ndarray:
         self.layer_tables(layer)
-        if compressed:
+        if mode.compressed:
             raise InvalidArgument(f"{self.kind} takes raw token ids: it has no compressed form")
         arr = as_token_array(token_ids)
         res = prepare_out(out, (*arr.shape, 1))
-        res[..., 0] = self._rowmap(arr, mask, strict)
+        res[..., 0] = self._rowmap(arr, mask, mode.strict)
         return res
 
     def keys(
         self, token_ids: Any, *, compressed: bool = False, mask: Any = None, strict: bool = True
     ) -> np.ndarray:
-        return self._rows(token_ids, None, compressed, mask, strict, None, local=False)
+        return self._rows(token_ids, None, RowMode(compressed, strict), mask, None)
 
-    def hash_keys(
-        self,
-        keys: Any,
-        *,
-        layer: int | None = None,
-        local: bool = False,
-        strict: bool = True,
-        out: np.ndarray | None = None,
+    def _hash_keys(
+        self, lt: LayerTables, arr: np.ndarray, local: bool, strict: bool, out: np.ndarray | None
     ) -> np.ndarray:
-        self.layer_tables(layer)
-        arr = as_token_array(keys, name="keys")
         if arr.shape[-1] != 1:
             raise ShapeMismatch(f"gemma3n keys must be [..., 1], got shape {arr.shape}")
         res = prepare_out(out, arr.shape)
@@ -479,18 +465,10 @@ class GemmaHasher(Hasher):
         return step
 
     def stream_rows(
-        self,
-        lt: LayerTables,
-        arr: np.ndarray,
-        mask: Any,
-        compressed: bool,
-        strict: bool,
-        local: bool,
-        hist_ids: np.ndarray,
-        hist_bar: np.ndarray,
+        self, lt: LayerTables, arr: np.ndarray, mask: Any, mode: RowMode, hist: History
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rows = self._rows(arr, None, compressed, mask, strict, None, local=local)
-        return rows, hist_ids, hist_bar
+        rows = self._rows(arr, None, mode, mask, None)
+        return rows, *hist
 
 
 def build_gemma(

@@ -13,13 +13,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from engramdb.errors import InvalidDtype, ShapeMismatch
-from engramdb.keygen._tables import LayerTables, as_token_array
+from engramdb.keygen._tables import LayerTables, RowMode, as_token_array
 
 __all__ = ["KeyStream", "Step", "StepSource"]
 
 #: A specialised one-token step: ``step(tid, dead, ids, bars) -> int64 [n_heads]``; ``ids`` /
 #: ``bars`` (the last N-1 hashed ids and barrier flags, oldest first) are updated in place.
 Step = Callable[[int, bool, list[int], list[bool]], np.ndarray]
+
+
+#: A stream's look-back state: ids and barrier flags, ``[B, N-1]`` each.
+History = tuple[np.ndarray, np.ndarray]
 
 
 class StepSource(Protocol):
@@ -33,15 +37,7 @@ class StepSource(Protocol):
         ...
 
     def stream_rows(
-        self,
-        lt: LayerTables,
-        arr: np.ndarray,
-        mask: Any,
-        compressed: bool,
-        strict: bool,
-        local: bool,
-        hist_ids: np.ndarray,
-        hist_bar: np.ndarray,
+        self, lt: LayerTables, arr: np.ndarray, mask: Any, mode: RowMode, hist: History
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of ``arr`` ``[B, T]`` after the look-back ``hist`` ``[B, N-1]``, new hist."""
         ...
@@ -164,8 +160,9 @@ class KeyStream:
             if m.shape != arr.shape:
                 raise ShapeMismatch(f"mask shape {m.shape} differs from token_ids {arr.shape}")
             mask2 = m.reshape(arr2.shape)
+        mode = RowMode(self.compressed, self.strict, self.local)
         rows, new_ids, new_bar = self._h.stream_rows(
-            self._lt, arr2, mask2, self.compressed, self.strict, self.local, hist_ids, hist_bar
+            self._lt, arr2, mask2, mode, (hist_ids, hist_bar)
         )
         if self._np_ids is None:
             self._ids = [int(v) for v in new_ids[0].tolist()]

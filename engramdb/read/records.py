@@ -18,7 +18,7 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,11 +57,10 @@ from engramdb.layouts.view import (
     plan_slot_reads,
     source_hash,
 )
+from engramdb.table_api import Closing
 from engramdb.validate import as_rowids, check_bounds, check_output
 
 __all__ = ["KeyIndex", "RecordFile", "Scratch", "find_entry", "read_header_page"]
-
-_R = TypeVar("_R", bound="RecordFile")
 
 
 def read_header_page(fd: int, what: str) -> bytes:
@@ -147,7 +146,7 @@ def find_entry(db: Path, info: TableInfo, name: str | None, file: Path | None) -
     return entry
 
 
-class RecordFile:
+class RecordFile(Closing):
     """The open files of view ``entry`` of table ``info`` in database ``db``.
 
     Opening checks every file's size against the manifest and each header page against the
@@ -259,38 +258,33 @@ class RecordFile:
         self._slot_of: np.ndarray | None = None
         self._rows: np.ndarray | None = None
         if entry.index is not None:
-            ih, iflat = self._map_sidecar(db, entry.index, what, KeyIndexHeader)
-            if (
-                ih.n_keys != hdr.n_slots
-                or ih.key_width != hdr.key_width
-                or ih.build_id != hdr.build_id
-            ):
-                raise CorruptFile(
-                    f"{what}: key index {entry.index.path!r} belongs to another build"
-                )
+            want = {"n_keys": hdr.n_slots, "key_width": hdr.key_width, "build_id": hdr.build_id}
+            ih, iflat = self._map_sidecar(db, entry.index, what, KeyIndexHeader, "key index", want)
             h_off, k_off, s_off = key_index_sections(ih.n_keys, ih.key_width)
             n, w = ih.n_keys, ih.key_width
             self._hashes = iflat[h_off:k_off].view("<u8")
             self._keys = iflat[k_off:s_off].view("<i8").reshape(n, w)
             self._slot_of = iflat[s_off : s_off + 4 * n].view("<u4")
         if entry.rows is not None:
-            rh, rflat = self._map_sidecar(db, entry.rows, what, RowsHeader)
-            if (
-                rh.n_records != hdr.n_slots
-                or rh.rows_per_record != hdr.rows_per_record
-                or rh.build_id != hdr.build_id
-            ):
-                raise CorruptFile(f"{what}: rows file {entry.rows.path!r} belongs to another build")
+            want = {
+                "n_records": hdr.n_slots,
+                "rows_per_record": hdr.rows_per_record,
+                "build_id": hdr.build_id,
+            }
+            rh, rflat = self._map_sidecar(db, entry.rows, what, RowsHeader, "rows file", want)
             self._rows = rflat[HEADER_BYTES:].view("<i8").reshape(rh.n_records, rh.rows_per_record)
 
     def _map_sidecar(
-        self, db: Path, vf: FileEntry, what: str, header_cls: Any
+        self, db: Path, vf: FileEntry, what: str, header_cls: Any, label: str, want: dict[str, int]
     ) -> tuple[Any, np.ndarray]:
-        """Open a side file of the view (key index, rows), parse its header page and map it
-        whole; returns the header and the file's bytes as a flat uint8 array."""
+        """Open a side file of the view (key index, rows), parse its header page, check that
+        it belongs to this build (its header fields equal ``want``, the view's figures)
+        and map it whole; returns the header and the file's bytes as a flat uint8 array."""
         fd = open_checked(db, vf.path, vf.bytes, what)
         self._fds.append(fd)
         header = header_cls.unpack(read_header_page(fd, f"{what} ({vf.path})"), what)
+        if any(getattr(header, k) != v for k, v in want.items()):
+            raise CorruptFile(f"{what}: {label} {vf.path!r} belongs to another build")
         mapping = ShardMapping([fd], [vf.bytes])
         self._maps.append(mapping)
         return header, mapping.array(1, vf.bytes).reshape(-1)
@@ -508,9 +502,3 @@ class RecordFile:
         self._slots = self._records = None
         self._hashes = self._keys = self._slot_of = self._rows = None
         self._release()
-
-    def __enter__(self: _R) -> _R:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

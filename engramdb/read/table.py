@@ -114,6 +114,10 @@ class LocalTable(RowTable):
         self._prefetch_lock = threading.Lock()
         if ram_budget is not None:
             self._cache = RowCache(self.row_bytes, parse_size(ram_budget), self.n_rows)
+        self._opened()
+
+    def _opened(self) -> None:
+        """What a subclass sets up once the table is open (the constructor is shared)."""
 
     # -- state -------------------------------------------------------------------------------
     @property

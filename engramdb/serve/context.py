@@ -9,10 +9,11 @@ the wire lane (`engramdb.serve.lane`) get a context passed in; none of them know
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import Any
 
 from engramdb._version import __version__
@@ -73,35 +74,35 @@ class Limits:
         return nbytes
 
 
+def send_now(sock: socket.socket, parts: list[Any]) -> int | None:
+    """Send what a non-blocking socket takes now (one ``send``, or one ``sendmsg`` for
+    several parts): the bytes sent, 0 when its buffer is full, None when the peer is gone
+    (the caller closes the connection)."""
+    try:
+        return sock.send(parts[0]) if len(parts) == 1 else sock.sendmsg(parts)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError:
+        return None
+
+
 def error_label(exc: BaseException) -> str:
     """The metrics label of a refusal: the error class, or ``InternalError`` for a bug."""
     return type(exc).__name__ if isinstance(exc, EngramDBError) else "InternalError"
 
 
+@dataclass(slots=True, eq=False)
 class Reply:
     """A response ready to send (HTTP or wire): its byte parts and what the metrics need."""
 
-    __slots__ = ("status", "parts", "endpoint", "table", "rows", "nbytes", "error", "close")
-
-    def __init__(
-        self,
-        status: int,
-        parts: list[Any],
-        endpoint: str,
-        table: str = "",
-        rows: int = 0,
-        nbytes: int = 0,
-        error: str | None = None,
-        close: bool = False,
-    ):
-        self.status = status
-        self.parts = parts
-        self.endpoint = endpoint
-        self.table = table
-        self.rows = rows
-        self.nbytes = nbytes
-        self.error = error
-        self.close = close
+    status: int
+    parts: list[Any]
+    endpoint: str
+    table: str = ""
+    rows: int = 0
+    nbytes: int = 0
+    error: str | None = None
+    close: bool = False
 
     def observe(self, metrics: Metrics, seconds: float, bytes_in: int) -> None:
         """Count this reply once it is queued for sending."""
@@ -117,31 +118,21 @@ class Reply:
         )
 
 
+@dataclass(slots=True, eq=False)
 class Job:
     """Work for the worker pool on behalf of one connection (a large gather): ``fn`` runs
     off the connection's thread and returns the `Reply` to send; the connection reads no
     further request until that reply is out. ``owner`` is the connection; ``future`` is set
     once submitted."""
 
-    __slots__ = ("fn", "endpoint", "table", "t0", "bytes_in", "owner", "future")
-
-    def __init__(
-        self,
-        fn: Callable[[], Reply],
-        endpoint: str,
-        table: str,
-        *,
-        t0: float = 0.0,
-        bytes_in: int = 0,
-        owner: Any = None,
-    ):
-        self.fn = fn
-        self.endpoint = endpoint
-        self.table = table
-        self.t0 = t0
-        self.bytes_in = bytes_in
-        self.owner = owner
-        self.future: Future[Reply] | None = None
+    fn: Callable[[], Reply]
+    endpoint: str
+    table: str
+    _: KW_ONLY
+    t0: float = 0.0
+    bytes_in: int = 0
+    owner: Any = None
+    future: Future[Reply] | None = field(default=None, init=False)
 
 
 def _no_gauges() -> tuple[int, int]:

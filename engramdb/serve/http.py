@@ -22,7 +22,7 @@ import numpy as np
 
 from engramdb.errors import EngramDBError
 from engramdb.serve import protocol as P
-from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext
+from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext, send_now
 from engramdb.serve.frames import REQUEST_MAGIC
 from engramdb.serve.routes import Request, Routes, endpoint_of
 
@@ -320,14 +320,8 @@ class HttpConnection:
             self._linger()
 
     def _send_parts(self, parts: list[Any]) -> None:
-        try:
-            if len(parts) == 1:
-                sent = self.sock.send(parts[0])
-            else:
-                sent = self.sock.sendmsg(parts)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
+        sent = send_now(self.sock, parts)
+        if sent is None:
             self.close()
             return
         rest: list[memoryview] = []

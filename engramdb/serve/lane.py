@@ -25,7 +25,14 @@ import numpy as np
 
 from engramdb.errors import EngramDBError, InvalidArgument
 from engramdb.serve import protocol as P
-from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext, error_label
+from engramdb.serve.context import (
+    SCRATCH_MAX,
+    Job,
+    Reply,
+    ServingContext,
+    error_label,
+    send_now,
+)
 from engramdb.serve.frames import (
     MAX_HELLO_BYTES,
     OK_FLAGS,
@@ -321,11 +328,8 @@ class _WireConnection:
         return buf
 
     def send(self, data: memoryview) -> None:
-        try:
-            sent = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
+        sent = send_now(self.sock, [data])
+        if sent is None:
             self.close()
             return
         if sent < len(data):

@@ -39,6 +39,15 @@ def _esc(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+_COUNTER_HELP = {
+    "engramdb_requests_total": "Requests answered, by endpoint and status.",
+    "engramdb_rows_total": "Rows returned.",
+    "engramdb_request_bytes_total": "Request body bytes received.",
+    "engramdb_response_bytes_total": "Response body bytes sent.",
+    "engramdb_errors_total": "Error responses, by error type.",
+}
+
+
 def _labels(**kv: Any) -> str:
     return "{" + ",".join(f'{k}="{_esc(str(v))}"' for k, v in kv.items()) + "}"
 
@@ -100,34 +109,21 @@ class Metrics:
         error: str | None = None,
     ) -> None:
         """Count one finished request (``seconds`` from parsed request to response queued)."""
-        with self.lock:
-            self._observe(endpoint, table, status, rows, bytes_in, bytes_out, seconds, error)
-
-    def _observe(
-        self,
-        endpoint: str,
-        table: str,
-        status: int,
-        rows: int,
-        bytes_in: int,
-        bytes_out: int,
-        seconds: float,
-        error: str | None,
-    ) -> None:
-        key = (endpoint, table, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
         et = (endpoint, table)
-        if rows:
-            self.rows[et] = self.rows.get(et, 0) + rows
-        self.bytes_in[et] = self.bytes_in.get(et, 0) + bytes_in
-        self.bytes_out[et] = self.bytes_out.get(et, 0) + bytes_out
-        if error is not None:
-            ek = (endpoint, error)
-            self.errors[ek] = self.errors.get(ek, 0) + 1
-        h = self.latency.get(endpoint)
-        if h is None:
-            h = self.latency[endpoint] = _Histogram()
-        h.observe(seconds)
+        with self.lock:
+            key = (endpoint, table, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if rows:
+                self.rows[et] = self.rows.get(et, 0) + rows
+            self.bytes_in[et] = self.bytes_in.get(et, 0) + bytes_in
+            self.bytes_out[et] = self.bytes_out.get(et, 0) + bytes_out
+            if error is not None:
+                ek = (endpoint, error)
+                self.errors[ek] = self.errors.get(ek, 0) + 1
+            h = self.latency.get(endpoint)
+            if h is None:
+                h = self.latency[endpoint] = _Histogram()
+            h.observe(seconds)
 
     def count_error(self, endpoint: str, error: str) -> None:
         """Count an error that ended a connection before a request could be routed."""
@@ -167,23 +163,17 @@ class Metrics:
             out.append(f"# HELP {name} {help_text}")
             out.append(f"# TYPE {name} {kind}")
 
-        family("engramdb_requests_total", "counter", "Requests answered, by endpoint and status.")
-        for (ep, table, status), n in sorted(self.requests.items()):
-            out.append(
-                f"engramdb_requests_total{_labels(endpoint=ep, table=table, code=status)} {n}"
-            )
-        family("engramdb_rows_total", "counter", "Rows returned.")
-        for (ep, table), n in sorted(self.rows.items()):
-            out.append(f"engramdb_rows_total{_labels(endpoint=ep, table=table)} {n}")
-        family("engramdb_request_bytes_total", "counter", "Request body bytes received.")
-        for (ep, table), n in sorted(self.bytes_in.items()):
-            out.append(f"engramdb_request_bytes_total{_labels(endpoint=ep, table=table)} {n}")
-        family("engramdb_response_bytes_total", "counter", "Response body bytes sent.")
-        for (ep, table), n in sorted(self.bytes_out.items()):
-            out.append(f"engramdb_response_bytes_total{_labels(endpoint=ep, table=table)} {n}")
-        family("engramdb_errors_total", "counter", "Error responses, by error type.")
-        for (ep, etype), n in sorted(self.errors.items()):
-            out.append(f"engramdb_errors_total{_labels(endpoint=ep, type=etype)} {n}")
+        et = ("endpoint", "table")
+        for name, series, label_names in (
+            ("engramdb_requests_total", self.requests, (*et, "code")),
+            ("engramdb_rows_total", self.rows, et),
+            ("engramdb_request_bytes_total", self.bytes_in, et),
+            ("engramdb_response_bytes_total", self.bytes_out, et),
+            ("engramdb_errors_total", self.errors, ("endpoint", "type")),
+        ):
+            family(name, "counter", _COUNTER_HELP[name])
+            for key, n in sorted(series.items()):
+                out.append(f"{name}{_labels(**dict(zip(label_names, key)))} {n}")
         family(
             "engramdb_request_duration_seconds",
             "histogram",

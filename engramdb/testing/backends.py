@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from engramdb.errors import (
     StoreClosed,
 )
 from engramdb.io.base import Backend
+from engramdb.testing.threads import run_threads
 
 __all__ = ["BackendContract", "DataFile"]
 
@@ -108,21 +108,22 @@ class BackendContract:
         self.register_file(backend, f)
         return f
 
-    @pytest.fixture
-    def data(self, tmp_path: Path, backend: Backend) -> Iterator[DataFile]:
-        f = self._make_file(tmp_path, backend, "a.bin", 1)
+    def _open_file(
+        self, tmp_path: Path, backend: Backend, name: str, seed: int
+    ) -> Iterator[DataFile]:
+        f = self._make_file(tmp_path, backend, name, seed)
         try:
             yield f
         finally:
             os.close(f.fd)
 
     @pytest.fixture
+    def data(self, tmp_path: Path, backend: Backend) -> Iterator[DataFile]:
+        yield from self._open_file(tmp_path, backend, "a.bin", 1)
+
+    @pytest.fixture
     def data2(self, tmp_path: Path, backend: Backend) -> Iterator[DataFile]:
-        f = self._make_file(tmp_path, backend, "b.bin", 2)
-        try:
-            yield f
-        finally:
-            os.close(f.fd)
+        yield from self._open_file(tmp_path, backend, "b.bin", 2)
 
     def _check(
         self,
@@ -277,27 +278,17 @@ class BackendContract:
     # --- concurrency and bookkeeping -------------------------------------------------------
     def test_concurrent_reads(self, backend: Backend, data: DataFile, data2: DataFile) -> None:
         files = {data.fd: data, data2.fd: data2}
-        errors: list[BaseException] = []
 
         def work(seed: int) -> None:
-            try:
-                rng = np.random.default_rng(seed)
-                for _ in range(15):
-                    n = int(rng.integers(1, 400))
-                    fds = np.where(rng.random(n) < 0.5, data.fd, data2.fd).astype(np.int32)
-                    lengths = rng.integers(1, 3000, n)
-                    offsets = rng.integers(0, data.size - lengths)
-                    self._check(backend, files, fds, offsets, lengths)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                errors.append(e)
+            rng = np.random.default_rng(seed)
+            for _ in range(15):
+                n = int(rng.integers(1, 400))
+                fds = np.where(rng.random(n) < 0.5, data.fd, data2.fd).astype(np.int32)
+                lengths = rng.integers(1, 3000, n)
+                offsets = rng.integers(0, data.size - lengths)
+                self._check(backend, files, fds, offsets, lengths)
 
-        threads = [threading.Thread(target=work, args=(100 + i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_threads(work, [(100 + i,) for i in range(6)])
 
     def test_stats_count_requests(self, backend: Backend, data: DataFile) -> None:
         before = backend.stats

@@ -35,50 +35,19 @@ Importing this package never imports the ``mooncake`` package; connecting does, 
 
 from __future__ import annotations
 
-from engramdb.integrations.mooncake._store import (
-    EXTRA,
-    PULL_BATCH_BYTES,
-    Counters,
-    MooncakeError,
-    ObjectMissing,
-    OutputNotRegistered,
-    StoreUnavailable,
-    bulk_read,
-    code_name,
-    connect,
-    exists,
-    get_bytes,
-    import_store,
-    is_store_client,
-    object_batches,
-    put_batch,
-    put_bytes,
-    raise_code,
-    read_many,
-    read_object,
-    read_ranges,
-    registered,
-    remove,
-    replicate_config,
-)
-from engramdb.integrations.mooncake.layers import MooncakeLayers
-from engramdb.integrations.mooncake.layout import ObjectLayout, RangePlan, layer_layout
-from engramdb.integrations.mooncake.manifest import (
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
-    check_name,
-    manifest_key,
-    parse_manifest,
-)
-from engramdb.integrations.mooncake.publish import (
-    DEFAULT_OBJECT_BYTES,
-    DEFAULT_STAGING_BYTES,
-    PublishSummary,
-    publish,
-    shard_reads,
-    unpublish,
-)
-from engramdb.integrations.mooncake.tables import MooncakeDatabase, MooncakeTable, open_mooncake
+# Each piece's public names (its ``__all__``) are this package's.
+from engramdb.integrations.mooncake import _store
+from engramdb.integrations.mooncake import layers as _layers
+from engramdb.integrations.mooncake import layout as _layout
+from engramdb.integrations.mooncake import manifest as _manifest
+from engramdb.integrations.mooncake import publish as _publish
+from engramdb.integrations.mooncake import tables as _tables
+from engramdb.integrations.mooncake._store import *  # noqa: F403
+from engramdb.integrations.mooncake.layers import *  # noqa: F403
+from engramdb.integrations.mooncake.layout import *  # noqa: F403
+from engramdb.integrations.mooncake.manifest import *  # noqa: F403
+from engramdb.integrations.mooncake.publish import *  # noqa: F403
+from engramdb.integrations.mooncake.tables import *  # noqa: F403
 from engramdb.integrations.mooncake.views import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_MERGE_GAP_BYTES,
@@ -90,53 +59,17 @@ from engramdb.integrations.mooncake.views import (
 )
 
 __all__ = [
-    "Counters",
+    *_store.__all__,
+    *_layers.__all__,
+    *_layout.__all__,
+    *_manifest.__all__,
+    *_publish.__all__,
+    *_tables.__all__,
     "DEFAULT_CACHE_BYTES",
     "DEFAULT_MERGE_GAP_BYTES",
-    "DEFAULT_OBJECT_BYTES",
-    "DEFAULT_STAGING_BYTES",
-    "EXTRA",
-    "MANIFEST_FORMAT",
-    "MANIFEST_VERSION",
-    "MooncakeDatabase",
-    "MooncakeError",
-    "MooncakeLayers",
-    "MooncakeTable",
-    "ObjectLayout",
-    "ObjectMissing",
-    "OutputNotRegistered",
-    "PULL_BATCH_BYTES",
-    "PublishSummary",
     "PublishedView",
-    "RangePlan",
-    "StoreUnavailable",
     "ViewReader",
-    "bulk_read",
-    "check_name",
-    "code_name",
-    "connect",
-    "exists",
-    "get_bytes",
-    "import_store",
     "index_bytes",
-    "is_store_client",
-    "layer_layout",
-    "manifest_key",
-    "object_batches",
-    "open_mooncake",
-    "parse_manifest",
     "parse_views",
-    "publish",
     "publish_view",
-    "put_batch",
-    "put_bytes",
-    "raise_code",
-    "read_many",
-    "read_object",
-    "read_ranges",
-    "registered",
-    "remove",
-    "replicate_config",
-    "shard_reads",
-    "unpublish",
 ]

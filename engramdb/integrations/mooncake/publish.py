@@ -45,6 +45,7 @@ from engramdb.io.preadv import PreadvBackend
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import parse_views as local_views
 from engramdb.layouts.view import source_hash
+from engramdb.units import Summary
 
 #: Default size of one store object when a head is split (``publish``): an object must fit
 #: in one storage segment, and smaller objects spread a table over more storage hosts.
@@ -54,7 +55,7 @@ DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
-class PublishSummary:
+class PublishSummary(Summary):
     """What `publish` wrote: the publication name, its tables, store objects and payload
     bytes, the time it took, and the views published or skipped."""
 
@@ -67,10 +68,6 @@ class PublishSummary:
     #: one row per head) with the reason
     views: tuple[str, ...] = ()
     skipped_views: tuple[str, ...] = ()
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def line(self) -> str:
         views = f" and {len(self.views)} view(s)" if self.views else ""

@@ -39,7 +39,7 @@ from engramdb.integrations.mooncake.views import (
     parse_views,
 )
 from engramdb.io.gather import take_rows
-from engramdb.table_api import RowTable, TableSchema
+from engramdb.table_api import Closing, RowTable, TableSchema
 from engramdb.validate import as_rowids, check_bounds
 
 
@@ -178,10 +178,8 @@ class MooncakeTable(RowTable):
         self._view = ViewReader(self, pv, merge_gap_bytes=merge_gap_bytes, cache_bytes=cache_bytes)
 
     def __repr__(self) -> str:
-        return (
-            f"<MooncakeTable {self.name!r} {self.n_rows:,} rows x {self.row_bytes} B, "
-            f"{self.n_heads} heads, {self.mode}>"
-        )
+        state = "closed" if self.closed else f"{self.n_rows:,} rows x {self.row_bytes} B"
+        return f"<MooncakeTable {self.name!r} {state}, {self.n_heads} heads, {self.mode}>"
 
     def stats(self) -> dict[str, Any]:
         doc = {
@@ -240,7 +238,7 @@ class MooncakeTable(RowTable):
             raise
 
 
-class MooncakeDatabase:
+class MooncakeDatabase(Closing):
     """A publication opened from the store: ``db[table]`` is a `MooncakeTable`.
 
     ``client`` is the store client every ranged read goes through: register output
@@ -317,12 +315,6 @@ class MooncakeDatabase:
             self._closed = True
             if self._own_client:
                 self.client.close()
-
-    def __enter__(self) -> MooncakeDatabase:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<MooncakeDatabase {self.name!r} tables={self.tables}>"
