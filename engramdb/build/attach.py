@@ -47,8 +47,16 @@ from engramdb.sources import natural_key
 
 __all__ = ["AttachSummary", "attach", "preset_tables"]
 
-_DTYPE_HINT = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2", "F8_E8M0": "ue8m0", "BF16": "bf16",
-               "F16": "f16", "F32": "f32", "U8": "u8", "I8": "i8"}
+_DTYPE_HINT = {
+    "F8_E4M3": "fp8_e4m3",
+    "F8_E5M2": "fp8_e5m2",
+    "F8_E8M0": "ue8m0",
+    "BF16": "bf16",
+    "F16": "f16",
+    "F32": "f32",
+    "U8": "u8",
+    "I8": "i8",
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,9 @@ def _expand(files: Sequence[str | os.PathLike[str]]) -> list[str]:
     for f in files:
         p = Path(f)
         if p.is_dir():
-            shards = sorted((c for c in p.iterdir() if c.suffix == ".bin"), key=lambda c: natural_key(c.name))
+            shards = sorted(
+                (c for c in p.iterdir() if c.suffix == ".bin"), key=lambda c: natural_key(c.name)
+            )
             if not shards:
                 raise SourceError(f"source directory {str(p)!r} holds no .bin row files")
             out.extend(str(c.resolve()) for c in shards)
@@ -89,7 +99,9 @@ def _expand(files: Sequence[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
-def _match(all_tensors: list[tuple[int, TensorEntry]], globs: Sequence[str]) -> list[tuple[int, TensorEntry]]:
+def _match(
+    all_tensors: list[tuple[int, TensorEntry]], globs: Sequence[str]
+) -> list[tuple[int, TensorEntry]]:
     hit = [(i, t) for i, t in all_tensors if any(fnmatch.fnmatchcase(t.name, g) for g in globs)]
     if not hit:
         raise SourceError(f"no tensor matches {list(globs)}")
@@ -114,20 +126,28 @@ def _column(tensors: list[tuple[int, TensorEntry]], what: str) -> tuple[SourceCo
     return SourceColumn(width, tuple(runs)), [t.rows for _i, t in tensors]
 
 
-def _raw_column(paths: list[str], row_bytes: int, rows_per_shard: int | None) -> tuple[SourceColumn, list[int]]:
+def _raw_column(
+    paths: list[str], row_bytes: int, rows_per_shard: int | None
+) -> tuple[SourceColumn, list[int]]:
     runs = []
     for i, p in enumerate(paths):
         size = os.stat(p).st_size
         if size == 0 or size % row_bytes:
-            raise SourceError(f"raw source {p!r}: {size} bytes is not a whole number of {row_bytes} B rows")
+            raise SourceError(
+                f"raw source {p!r}: {size} bytes is not a whole number of {row_bytes} B rows"
+            )
         rows = size // row_bytes
         if rows_per_shard is not None and i < len(paths) - 1 and rows != rows_per_shard:
-            raise SourceError(f"raw source {p!r} holds {rows} rows, --rows-per-shard says {rows_per_shard}")
+            raise SourceError(
+                f"raw source {p!r} holds {rows} rows, --rows-per-shard says {rows_per_shard}"
+            )
         runs.append(SourceRun(i, 0, rows, None))
     return SourceColumn(row_bytes, tuple(runs)), [sum(r.rows for r in runs)]
 
 
-def _file_identity(path: str, header_bytes: int, checksum: bool, progress: Callable[[int], None] | None) -> SourceFile:
+def _file_identity(
+    path: str, header_bytes: int, checksum: bool, progress: Callable[[int], None] | None
+) -> SourceFile:
     sf = source_identity(path, header_bytes)
     if not checksum:
         return sf
@@ -191,11 +211,18 @@ def attach(
                 with open(paths[i], "rb") as f:
                     f.seek(s.offset)
                     raw = f.read(s.nbytes)
-                extra["scale"] = {"tensor": s.name, "dtype": s.dtype, "shape": list(s.shape), "hex": raw.hex()}
+                extra["scale"] = {
+                    "tensor": s.name,
+                    "dtype": s.dtype,
+                    "shape": list(s.shape),
+                    "hex": raw.hex(),
+                }
             else:
                 scol, srows = _column(scales, "scale")
                 if sum(srows) != n_rows:
-                    raise SourceError(f"scale tensors hold {sum(srows)} rows, the row tensors {n_rows}")
+                    raise SourceError(
+                        f"scale tensors hold {sum(srows)} rows, the row tensors {n_rows}"
+                    )
                 columns.append(scol)
                 hint += "+" + _DTYPE_HINT.get(scales[0][1].dtype, scales[0][1].dtype.lower())
     elif not any(safet):
@@ -215,18 +242,30 @@ def attach(
     if heads is not None:
         head_rows = [int(h) for h in heads]
         if any(h <= 0 for h in head_rows) or sum(head_rows) != n_rows:
-            raise SourceError(f"heads {head_rows} sum to {sum(head_rows)} rows, the sources hold {n_rows}")
+            raise SourceError(
+                f"heads {head_rows} sum to {sum(head_rows)} rows, the sources hold {n_rows}"
+            )
     used = sorted({r.file for c in columns for r in c.runs})
     remap = {old: new for new, old in enumerate(used)}
     columns = [
-        SourceColumn(c.width, tuple(SourceRun(remap[r.file], r.offset, r.rows, r.tensor) for r in c.runs))
+        SourceColumn(
+            c.width, tuple(SourceRun(remap[r.file], r.offset, r.rows, r.tensor) for r in c.runs)
+        )
         for c in columns
     ]
     idents = tuple(_file_identity(paths[i], header_bytes[i], checksum, progress) for i in used)
     sources = []
     first = 0
     for r in columns[0].runs:
-        sources.append({"first_row": first, "rows": r.rows, "file": idents[r.file].path, "tensor": r.tensor, "offset": r.offset})
+        sources.append(
+            {
+                "first_row": first,
+                "rows": r.rows,
+                "file": idents[r.file].path,
+                "tensor": r.tensor,
+                "offset": r.offset,
+            }
+        )
         first += r.rows
     info = TableInfo(
         name=table,
@@ -252,7 +291,9 @@ def attach(
     with database_lock(db):
         current = read_manifest_or_empty(db)
         if table in current.tables and not force:
-            raise TableExists(f"table {table!r} already exists in {str(db)!r}; use force=True / --force")
+            raise TableExists(
+                f"table {table!r} already exists in {str(db)!r}; use force=True / --force"
+            )
         new = current.with_table(info)
         write_manifest(db, new)
         collect_garbage(db, new)
@@ -274,7 +315,14 @@ def preset_tables(preset: str, files: Sequence[str | os.PathLike[str]]) -> list[
         doc = json.loads(cfg_path.read_text())
         overrides = doc.get("text_config", doc)
     if preset.startswith("gemma3n"):
-        return [{"table": "ple", "tensor": "*embed_tokens_per_layer.weight", "scale_tensor": None, "heads": None}]
+        return [
+            {
+                "table": "ple",
+                "tensor": "*embed_tokens_per_layer.weight",
+                "scale_tensor": None,
+                "heads": None,
+            }
+        ]
     try:
         h = keygen_preset(preset, **{k: v for k, v in overrides.items() if isinstance(k, str)})
     except TypeError as e:
@@ -283,18 +331,35 @@ def preset_tables(preset: str, files: Sequence[str | os.PathLike[str]]) -> list[
     for layer in h.layers:
         heads = [int(x) for x in h.head_rows(layer)]
         if preset.startswith("deepseek-v4.1"):
-            out.append({"table": f"engram_l{layer}", "tensor": f"*layers.{layer}.engram.embed.weight",
-                        "scale_tensor": f"*layers.{layer}.engram.embed.scale", "heads": heads})
+            out.append(
+                {
+                    "table": f"engram_l{layer}",
+                    "tensor": f"*layers.{layer}.engram.embed.weight",
+                    "scale_tensor": f"*layers.{layer}.engram.embed.scale",
+                    "heads": heads,
+                }
+            )
         elif preset.startswith("qwen"):
-            out.append({"table": f"ple_l{layer}", "tensor": f"*layers.{layer}.*ngram_embedding.shard_*.weight",
-                        "scale_tensor": f"*layers.{layer}.*weight_scale", "heads": heads})
+            out.append(
+                {
+                    "table": f"ple_l{layer}",
+                    "tensor": f"*layers.{layer}.*ngram_embedding.shard_*.weight",
+                    "scale_tensor": f"*layers.{layer}.*weight_scale",
+                    "heads": heads,
+                }
+            )
         else:
             raise InvalidArgument(f"preset {preset!r} has no attach mapping")
     return out
 
 
-def materialize(db_path: str | os.PathLike[str], table: str, into: str | os.PathLike[str] | None = None,
-                *, progress: Callable[[int], None] | None = None) -> Any:
+def materialize(
+    db_path: str | os.PathLike[str],
+    table: str,
+    into: str | os.PathLike[str] | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> Any:
     """``build --from-attached``: copy attached table ``table`` into a built (compact) table
     of ``into`` (default: the same database, replacing the attached entry)."""
     from engramdb.build.table import build  # sibling writer
@@ -321,8 +386,17 @@ def materialize(db_path: str | os.PathLike[str], table: str, into: str | os.Path
                     part = buf[: ids.size]
                     store.fetch_into(ids, part)
                     f.write(part.data)
-            return build(dest, table, rb, [str(tmp)], heads=list(info.heads), dtype=info.dtype,
-                         dim=info.dim, force=True, progress=progress)
+            return build(
+                dest,
+                table,
+                rb,
+                [str(tmp)],
+                heads=list(info.heads),
+                dtype=info.dtype,
+                dim=info.dim,
+                force=True,
+                progress=progress,
+            )
         finally:
             tmp.unlink(missing_ok=True)
     finally:

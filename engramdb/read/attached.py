@@ -29,7 +29,14 @@ import numpy as np
 
 from engramdb.errors import StoreClosed, TruncatedFile
 from engramdb.io.gather import take_rows
-from engramdb.io.mapping import MADV_RANDOM, madvise, map_range, mincore, populate_range, unmap_range
+from engramdb.io.mapping import (
+    MADV_RANDOM,
+    madvise,
+    map_range,
+    mincore,
+    populate_range,
+    unmap_range,
+)
 from engramdb.layouts.geometry import PAGE
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.plan import ReadPlan
@@ -47,8 +54,15 @@ def _view(addr: int, nbytes: int) -> np.ndarray:
 class _Column:
     """One column: its runs as arrays, with their first rows / files / offsets (int64)."""
 
-    def __init__(self, width: int, arrays: list[np.ndarray], first: np.ndarray, file: np.ndarray,
-                 offset: np.ndarray, start: int):
+    def __init__(
+        self,
+        width: int,
+        arrays: list[np.ndarray],
+        first: np.ndarray,
+        file: np.ndarray,
+        offset: np.ndarray,
+        start: int,
+    ):
         self.width = width
         self.arrays = arrays
         self.first = first
@@ -78,7 +92,9 @@ class _Column:
         if len(self.arrays) == 1:
             return np.full(ids.shape, self.file[0], np.int32), self.offset[0] + ids * self.width
         run = np.searchsorted(self.first, ids, side="right") - 1
-        return self.file[run].astype(np.int32), self.offset[run] + (ids - self.first[run]) * self.width
+        return self.file[run].astype(np.int32), self.offset[run] + (
+            ids - self.first[run]
+        ) * self.width
 
 
 class SourceSegments:
@@ -214,9 +230,7 @@ class SourceSegments:
                     out.append((a.ctypes.data, a.size))
         return out
 
-    def populate(
-        self, *, threads: int = 2, progress: Callable[[int], None] | None = None
-    ) -> None:
+    def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
         """Fault the rows' pages in (``MADV_POPULATE_READ`` per 64 MiB, in threads)."""
         self.guard()
         chunk = 64 << 20
