@@ -186,6 +186,8 @@ def attach(
     one head. Writes only ``manifest.json``."""
     check_table_name(table)
     t0 = time.perf_counter()
+    if not force and table in read_manifest_or_empty(db_path).tables:
+        raise TableExists(f"table {table!r} already exists in {str(db_path)!r}; use --force")
     paths = _expand(files)
     if not paths:
         raise SourceError("attach needs at least one source file")
