@@ -429,3 +429,25 @@ def test_attach_refuses_existing_table_and_bad_widths(
         engramdb.attach(db, "x", files(tmp_path / "ckpt"), tensor="*engram.embed.*")
     with pytest.raises(SourceError, match="no tensor matches"):
         engramdb.attach(db, "x", files(tmp_path / "ckpt"), tensor="nothing*")
+
+
+def test_read_range_is_the_bulk_path(tmp_path: Path, rng: np.random.Generator) -> None:
+    """`SourceSegments.read_range` (Mooncake publish, build --from-attached) across runs of
+    many files and both columns."""
+    from engramdb.disk.files import open_sources
+    from engramdb.read.attached import SourceSegments
+
+    srcs, want = qwen_checkpoint(tmp_path / "q", rng)
+    engramdb.attach(tmp_path / "db", "ple", srcs, tensor="*ngram_embedding.shard_*.weight")
+    info = engramdb.open(tmp_path / "db").manifest.tables["ple"]
+    fds = open_sources(info)
+    seg = SourceSegments(info, fds)
+    try:
+        for first, n in ((0, want.shape[0]), (19, 45), (want.shape[0] - 3, 3)):
+            out = np.empty((n, 160), np.uint8)
+            seg.read_range(first, n, out)
+            assert np.array_equal(out, want[first : first + n])
+    finally:
+        seg.close()
+        for fd in fds:
+            os.close(fd)

@@ -24,7 +24,7 @@ import numpy as np
 
 from engramdb._version import __version__
 from engramdb.disk.checksum import BlockHasher
-from engramdb.disk.files import source_identity
+from engramdb.disk.files import open_sources, source_identity
 from engramdb.disk.publish import (
     collect_garbage,
     database_lock,
@@ -43,6 +43,7 @@ from engramdb.layouts.manifest import (
     check_table_name,
 )
 from engramdb.layouts.safetensors import Header, TensorEntry, header_length, parse_header
+from engramdb.read.attached import SourceSegments
 from engramdb.sources import natural_key
 
 __all__ = ["AttachSummary", "attach", "preset_tables"]
@@ -365,7 +366,6 @@ def materialize(
     """``build --from-attached``: copy attached table ``table`` into a built (compact) table
     of ``into`` (default: the same database, replacing the attached entry)."""
     from engramdb.build.table import build  # sibling writer
-    from engramdb.database import Database  # below build
 
     info = read_manifest(db_path).tables.get(table)
     if info is None:
@@ -373,33 +373,32 @@ def materialize(
     if info.attached is None:
         raise InvalidArgument(f"table {table!r} is built already, not attached")
     dest = Path(into) if into is not None else Path(db_path)
-    db = Database(db_path, backend="preadv")
+    dest.mkdir(parents=True, exist_ok=True)
+    fds = open_sources(info)
+    seg = SourceSegments(info, fds)
+    tmp = dest / f".attach-copy-{table}-{os.getpid()}.bin"
     try:
-        store = db[table]
         n, rb = info.n_rows, info.row_bytes
-        tmp = dest / f".attach-copy-{table}.bin"
-        dest.mkdir(parents=True, exist_ok=True)
-        try:
-            chunk = max(1, (16 << 20) // rb)
-            buf = np.empty((chunk, rb), np.uint8)
-            with open(tmp, "wb") as f:
-                for lo in range(0, n, chunk):
-                    ids = np.arange(lo, min(n, lo + chunk), dtype=np.int64)
-                    part = buf[: ids.size]
-                    store.fetch_into(ids, part)
-                    f.write(part.data)
-            return build(
-                dest,
-                table,
-                rb,
-                [str(tmp)],
-                heads=list(info.heads),
-                dtype=info.dtype,
-                dim=info.dim,
-                force=True,
-                progress=progress,
-            )
-        finally:
-            tmp.unlink(missing_ok=True)
+        chunk = max(1, (16 << 20) // rb)
+        buf = np.empty((chunk, rb), np.uint8)
+        with open(tmp, "wb") as f:
+            for lo in range(0, n, chunk):
+                part = buf[: min(chunk, n - lo)]
+                seg.read_range(lo, part.shape[0], part)
+                f.write(part.data)
+        return build(
+            dest,
+            table,
+            rb,
+            [str(tmp)],
+            heads=list(info.heads),
+            dtype=info.dtype,
+            dim=info.dim,
+            force=True,
+            progress=progress,
+        )
     finally:
-        db.close()
+        tmp.unlink(missing_ok=True)
+        seg.close()
+        for fd in fds:
+            os.close(fd)
