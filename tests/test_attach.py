@@ -435,11 +435,12 @@ def test_read_range_is_the_bulk_path(tmp_path: Path, rng: np.random.Generator) -
     """`SourceSegments.read_range` (Mooncake publish, build --from-attached) across runs of
     many files and both columns."""
     from engramdb.disk.files import open_sources
+    from engramdb.disk.publish import read_manifest
     from engramdb.read.attached import SourceSegments
 
     srcs, want = qwen_checkpoint(tmp_path / "q", rng)
     engramdb.attach(tmp_path / "db", "ple", srcs, tensor="*ngram_embedding.shard_*.weight")
-    info = engramdb.open(tmp_path / "db").manifest.tables["ple"]
+    info = read_manifest(tmp_path / "db").tables["ple"]
     fds = open_sources(info)
     seg = SourceSegments(info, fds)
     try:
