@@ -452,3 +452,38 @@ def test_read_range_is_the_bulk_path(tmp_path: Path, rng: np.random.Generator) -
         seg.close()
         for fd in fds:
             os.close(fd)
+
+
+def test_engramstore_lookup_into_equals_mooncake_row_layout(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """V4.1-shaped checkpoint attached as ``engram_l14`` (the EngramStore table name), served
+    through `EngramStore.lookup_into`: ``[B, L, H]`` local ids -> 264 B rows, each the
+    F8_E4M3 weight row then the F8_E8M0 scale row (``fp8_e4m3[256]+ue8m0[8]``)."""
+    from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig
+
+    ck = tmp_path / "ckpt"
+    rows = v41_checkpoint(ck, rng, rows=1500)
+    heads = [700, 801]
+    engramdb.attach(
+        tmp_path / "db",
+        "engram_l14",
+        files(ck),
+        tensor=V41_W.format(14),
+        scale_tensor=V41_S.format(14),
+        heads=heads,
+    )
+    es = EngramStore(
+        {14: EngramStoreConfig(table_vocab_sizes=heads, row_bytes=264)}, store=str(tmp_path / "db")
+    )
+    ids = np.stack([rng.integers(0, heads[0], (3, 9)), rng.integers(0, heads[1], (3, 9))], -1)
+    out = np.empty((3, 9, 2, 264), np.uint8)
+    es.lookup_into(14, np.ascontiguousarray(ids), out)
+    g = ids + np.array([0, heads[0]])
+    from safetensors import safe_open
+
+    with safe_open(files(ck)[1], "pt") as f:
+        w = f.get_tensor(V41_W.format(14)).view(torch.uint8).numpy()
+        s = f.get_tensor(V41_S.format(14)).view(torch.uint8).numpy()
+    assert out.tobytes() == np.concatenate([w[g], s[g]], axis=-1).tobytes()
+    assert np.array_equal(out, rows[14][g])
