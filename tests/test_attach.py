@@ -487,3 +487,30 @@ def test_engramstore_lookup_into_equals_mooncake_row_layout(
         s = f.get_tensor(V41_S.format(14)).view(torch.uint8).numpy()
     assert out.tobytes() == np.concatenate([w[g], s[g]], axis=-1).tobytes()
     assert np.array_equal(out, rows[14][g])
+
+
+@pytest.mark.skipif(not IoUringBackend.availability()[0], reason="no io_uring here")
+def test_io_uring_o_direct_reads_unaligned_tensor_offsets(
+    v41: tuple[Path, np.ndarray], rng: np.random.Generator
+) -> None:
+    db, want = v41
+    with engramdb.open(db, backend="io_uring", direct=True) as d:
+        st = d["t"]
+        assert st.backend is not None and st.backend.direct
+        ids = rng.integers(0, want.shape[0], 3000)
+        assert np.array_equal(st.fetch(ids), want[ids])
+
+
+def test_serve_reads_an_attached_table(v41: tuple[Path, np.ndarray], tmp_path: Path) -> None:
+    from engramdb.serve import Server
+
+    db, want = v41
+    sock = tmp_path / "s.sock"
+    srv = Server(db, port=0, unix=str(sock)).start()
+    try:
+        client = engramdb.connect(f"unix://{sock}")
+        ids = np.array([[0, 2999], [17, 5]])
+        assert np.array_equal(client["t"].fetch(ids), want[ids])
+        client.close()
+    finally:
+        srv.stop()
