@@ -514,3 +514,25 @@ def test_serve_reads_an_attached_table(v41: tuple[Path, np.ndarray], tmp_path: P
         client.close()
     finally:
         srv.stop()
+
+
+def test_verify_checks_attached_sources(tmp_path: Path, rng: np.random.Generator) -> None:
+    ck = tmp_path / "ckpt"
+    v41_checkpoint(ck, rng, rows=5000)
+    db = tmp_path / "db"
+    engramdb.attach(
+        db, "t", files(ck), tensor=V41_W.format(1), scale_tensor=V41_S.format(1), checksum=True
+    )
+    assert engramdb.verify(db) == []
+    src = files(ck)[0]
+    st = os.stat(src)
+    with open(src, "r+b") as f:  # a byte no sampled block covers, mtime restored
+        f.seek(st.st_size // 2 + 12345)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    engramdb.open(db).close()  # the sampled identity check cannot see this byte...
+    problems = engramdb.verify(db)  # ...the full per-block check does
+    assert [p.what for p in problems][:1] == ["block checksum mismatch"]
+    assert problems[0].shard == src

@@ -160,8 +160,8 @@ def _file_identity(
             h.update(memoryview(buf)[:n])
             if progress is not None:
                 progress(n)
-    _whole, blocks = h.finish()
-    return SourceFile(**{**sf.__dict__, "blocks": blocks})
+    whole, blocks = h.finish()
+    return SourceFile(**{**sf.__dict__, "blocks": blocks, "xxh3_64": whole})
 
 
 def attach(

@@ -98,6 +98,7 @@ class SourceFile:
     header_xxh3: str = ""
     samples: tuple[tuple[int, int, str], ...] = ()
     blocks: tuple[str, ...] = ()
+    xxh3_64: str = ""  # whole file, with ``blocks`` (``attach --checksum``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +111,7 @@ class SourceFile:
             "header_xxh3": self.header_xxh3,
             "samples": [{"offset": o, "length": n, "xxh3_64": h} for o, n, h in self.samples],
             "blocks": list(self.blocks),
+            "xxh3_64": self.xxh3_64,
         }
 
 
@@ -370,6 +372,7 @@ def _parse_attached(
                 header_xxh3=str(f.get("header_xxh3", "")),
                 samples=tuple(samples),
                 blocks=blocks,
+                xxh3_64=str(f.get("xxh3_64", "")),
             )
         )
     columns = []
