@@ -536,3 +536,18 @@ def test_verify_checks_attached_sources(tmp_path: Path, rng: np.random.Generator
     problems = engramdb.verify(db)  # ...the full per-block check does
     assert [p.what for p in problems][:1] == ["block checksum mismatch"]
     assert problems[0].shard == src
+
+
+@pytest.mark.parametrize("backend", ["mmap", "preadv"])
+def test_truncation_of_one_of_many_files(
+    tmp_path: Path, rng: np.random.Generator, backend: str
+) -> None:
+    srcs, want = qwen_checkpoint(tmp_path / "q", rng)
+    engramdb.attach(tmp_path / "db", "ple", srcs, tensor="*ngram_embedding.shard_*.weight")
+    with engramdb.open(tmp_path / "db", backend=backend) as d:
+        st = d["ple"]
+        os.truncate(srcs[0], 100)  # shard_0 (rows 0..19) lives in file 0
+        with pytest.raises(TruncatedFile, match=srcs[0]):
+            st.fetch(np.array([25, 3]))
+        ok = np.arange(20, 41)  # shard_1, file 1: still served
+        assert np.array_equal(st.fetch(ok), want[ok])

@@ -70,12 +70,24 @@ class _Column:
         self.offset = offset
         self.start = start  # byte offset of this column inside a row
 
-    def take(self, flat: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = row flat[i]`` of this column (``out`` contiguous ``[n, width]``)."""
+    def runs_of(self, flat: np.ndarray) -> np.ndarray | None:
+        """The run of each id (None: the column is one run)."""
         if len(self.arrays) == 1:
+            return None
+        return np.searchsorted(self.first, flat, side="right") - 1
+
+    def files_of(self, run: np.ndarray | None) -> list[int]:
+        """The files a batch with runs ``run`` touches."""
+        if run is None:
+            return [int(self.file[0])]
+        return np.unique(self.file[run]).tolist()  # type: ignore[no-any-return]
+
+    def take(self, flat: np.ndarray, out: np.ndarray, run: np.ndarray | None) -> None:
+        """``out[i] = row flat[i]`` of this column (``out`` contiguous ``[n, width]``);
+        ``run`` from `runs_of`."""
+        if run is None:
             take_rows(self.arrays[0], flat, out)
             return
-        run = np.searchsorted(self.first, flat, side="right") - 1
         order = np.argsort(run, kind="stable")
         counts = np.bincount(run, minlength=len(self.arrays))
         sorted_ids = flat[order] - self.first[run[order]]
@@ -151,34 +163,39 @@ class SourceSegments:
         self.single: np.ndarray | None = (
             one.arrays[0] if len(self.columns) == 1 and len(one.arrays) == 1 else None
         )
+        self._single_file = [int(one.file[0])]
         self.length = sum(self._sizes)
 
     # -- reads ------------------------------------------------------------------------------
-    def guard(self) -> None:
-        """Raise `TruncatedFile` naming a source that is now shorter than at attach (a read
-        of its mapping past the new end would raise SIGBUS): one ``fstat`` per file."""
-        for fd, size, path in zip(self._fds, self._sizes, self._paths):
-            now = os.fstat(fd).st_size
-            if now < size:
+    def guard(self, files: list[int] | None = None) -> None:
+        """Raise `TruncatedFile` naming a source (of ``files``, default all) that is now
+        shorter than at attach (a read of its mapping past the new end would raise SIGBUS):
+        one ``fstat`` per file, ~0.3 us."""
+        for i in range(len(self._fds)) if files is None else files:
+            now = os.fstat(self._fds[i]).st_size
+            if now < self._sizes[i]:
                 raise TruncatedFile(
-                    f"table {self.name!r}: source {path!r} was truncated while open "
-                    f"({now} bytes, attached with {size})"
+                    f"table {self.name!r}: source {self._paths[i]!r} was truncated while open "
+                    f"({now} bytes, attached with {self._sizes[i]})"
                 )
 
     def take(self, flat: np.ndarray, out2d: np.ndarray) -> None:
-        """Rows of validated ids from the mappings (one gather per column)."""
-        self.guard()
+        """Rows of validated ids from the mappings (one gather per column), after `guard`
+        of the files the batch touches."""
         if self.single is not None:
+            self.guard(self._single_file)
             take_rows(self.single, flat, out2d)
             return
+        runs = [c.runs_of(flat) for c in self.columns]
+        self.guard(sorted({f for c, r in zip(self.columns, runs) for f in c.files_of(r)}))
         if len(self.columns) == 1:
-            self.columns[0].take(flat, out2d)
+            self.columns[0].take(flat, out2d, runs[0])
             return
         n = flat.size
-        for c in self.columns:
+        for c, r in zip(self.columns, runs):
             # np.take into a strided slice of out is ~4x slower than into a contiguous buffer
             part = np.empty((n, c.width), np.uint8)
-            c.take(flat, part)
+            c.take(flat, part, r)
             out2d[:, c.start : c.start + c.width] = part
 
     def read_range(self, first: int, rows: int, out2d: np.ndarray) -> None:
@@ -227,14 +244,17 @@ class SourceSegments:
         rb = self.row_bytes
         base = np.arange(u, dtype=np.int64) * rb
         reads: list[list[np.ndarray]] = []  # [file, offset, length, dest] per read
+        touched: set[int] = set()
         for c in self.columns:
             f, o = c.where(uniq)
+            touched.update(np.unique(f).tolist())
             if reads:
                 pf, po, pl, _pd = reads[-1]
                 if bool(((pf == f) & (po + pl == o)).all()):
                     reads[-1][2] = pl + c.width
                     continue
             reads.append([f, o, np.full(u, c.width, np.int64), base + c.start])
+        self.guard(sorted(touched))
         return ReadPlan(
             uniq,
             inverse,

@@ -185,8 +185,7 @@ class LocalTable(RowTable):
         ``plan.scratch_bytes`` with descriptors ``fd_array[plan.shard]``, then `assemble`)."""
         seg = self._segments
         if seg is not None:
-            seg.guard()
-            return seg.plan(flat)
+            return seg.plan(flat)  # guards the files it reads
         return plan_reads(flat, self.geometry, validated=True)
 
     def take_mapped(self, flat: np.ndarray, out2d: np.ndarray, *, serial: bool = False) -> None:
