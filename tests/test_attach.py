@@ -551,3 +551,47 @@ def test_truncation_of_one_of_many_files(
             st.fetch(np.array([25, 3]))
         ok = np.arange(20, 41)  # shard_1, file 1: still served
         assert np.array_equal(st.fetch(ok), want[ok])
+
+
+def test_preset_qwen_128_shards_with_padding_head(tmp_path: Path, rng: np.random.Generator) -> None:
+    cfg = {
+        "vocab_size": 50,
+        "ngram_vocab_size_base": 3000,
+        "make_ngram_vocab_size_divisible_by": 128,
+        "eos_token_id": 1,
+    }
+    h = keygen.preset("qwen3.8-flash-next", **cfg)
+    n = h.table_rows(2)
+    data = rng.integers(0, 256, size=(n, 160), dtype=np.uint8)
+    ck = tmp_path / "q"
+    ck.mkdir()
+    pre = "model.layers.2.ple.ple_embedding"
+    part = n // 128
+    for f in range(2):
+        t = {
+            f"{pre}.ngram_embedding.shard_{s}.weight": torch.from_numpy(
+                data[s * part : (s + 1) * part]
+            ).view(torch.float8_e4m3fn)
+            for s in range(f * 64, (f + 1) * 64)
+        }
+        if f == 0:
+            t[f"{pre}.weight_scale"] = torch.tensor(0.25)
+        save_file(t, str(ck / f"model-{f:05d}.safetensors"))
+    (ck / "config.json").write_text(json.dumps({"text_config": cfg}))
+    srcs = [str(ck / "model-00000.safetensors"), str(ck / "model-00001.safetensors")]
+    r = CliRunner().invoke(
+        main, ["attach", str(tmp_path / "db"), "--preset", "qwen3.8-flash-next", srcs[0]]
+    )
+    assert r.exit_code != 0  # half the shards: the rows do not fill the preset's heads
+    r = CliRunner().invoke(
+        main, ["attach", str(tmp_path / "db"), "--preset", "qwen3.8-flash-next", *srcs]
+    )
+    assert r.exit_code == 0, r.output
+    with engramdb.open(tmp_path / "db") as d:
+        st = d["ple_l2"]
+        heads = [int(x) for x in h.head_rows(2)]
+        assert st.heads.tolist() == heads + [n - sum(heads)]
+        toks = rng.integers(2, 50, 40)
+        rows = h.row_ids(toks)
+        assert np.array_equal(st.fetch(rows), data[rows])
+        assert st.info.extra["scale"]["hex"] == struct.pack("<f", 0.25).hex()

@@ -333,6 +333,9 @@ def preset_tables(preset: str, files: Sequence[str | os.PathLike[str]]) -> list[
     out = []
     for layer in h.layers:
         heads = [int(x) for x in h.head_rows(layer)]
+        pad = int(h.table_rows(layer)) - sum(heads)
+        if pad > 0:  # e.g. Qwen: the table is rounded up to split into equal shard tensors
+            heads.append(pad)
         if preset.startswith("deepseek-v4.1"):
             out.append(
                 {
