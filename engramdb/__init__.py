@@ -22,6 +22,8 @@ from engramdb.errors import EngramDBError
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
+    "AttachSummary": "engramdb.build",
+    "attach": "engramdb.build",
     "BuildSummary": "engramdb.build",
     "build": "engramdb.build",
     "drop_table": "engramdb.build",
@@ -55,7 +57,7 @@ _SUBMODULES = ("keygen",)
 
 if TYPE_CHECKING:
     from engramdb import keygen
-    from engramdb.build import BuildSummary, build, drop_table
+    from engramdb.build import AttachSummary, BuildSummary, attach, build, drop_table
     from engramdb.build.view import ViewBuildSummary, build_view
     from engramdb.client import Client, RemoteStore, RemoteView, connect
     from engramdb.database import Database, open  # noqa: A004
@@ -106,6 +108,7 @@ sys.modules[__name__].__class__ = _Facade
 
 
 __all__ = [
+    "AttachSummary",
     "BuildSummary",
     "Client",
     "Database",
@@ -125,6 +128,7 @@ __all__ = [
     "View",
     "ViewBuildSummary",
     "__version__",
+    "attach",
     "build",
     "build_view",
     "connect",

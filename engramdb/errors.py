@@ -58,6 +58,10 @@ class SourceError(EngramDBError, ValueError):
     """A build source cannot be used as given (wrong size, unknown format, missing tensor)."""
 
 
+class InvalidSafetensors(SourceError):
+    """A safetensors header breaks the format's rules (length bound, offsets, dtype/shape)."""
+
+
 class StoreClosed(EngramDBError, ValueError):
     """The database or store was closed."""
 
@@ -77,6 +81,11 @@ class CorruptManifest(CorruptFile):
 
 class TruncatedFile(CorruptFile):
     """A file is shorter than the manifest says."""
+
+
+class SourceChanged(CorruptFile):
+    """A source file of an attached table is not the file that was attached (size, mtime,
+    inode, header or sampled bytes differ); the message names the file and what changed."""
 
 
 class ChecksumMismatch(CorruptFile):

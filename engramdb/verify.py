@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from engramdb.disk.checksum import Problem, check_file
+from engramdb.disk.files import check_source
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import EngramDBError, TableNotFound
 from engramdb.keygen import Hasher
+from engramdb.layouts.manifest import FileEntry, SourceFile
 from engramdb.layouts.view import (
     HEADER_BYTES,
     key_index_sections,
@@ -49,7 +51,30 @@ def verify(
             raise TableNotFound(f"no table {name!r} in {str(db)!r}")
         for s in info.shards:
             problems.extend(check_file(db, s, "shard file", table=name, progress=progress))
+        for sf in info.attached.files if info.attached is not None else ():
+            problems.extend(_check_source(sf, name, progress))
     return problems
+
+
+def _check_source(
+    sf: SourceFile, table: str, progress: Callable[[int], None] | None
+) -> list[Problem]:
+    """An attached table's source file: its identity (stat, header, sampled blocks), then,
+    when ``attach --checksum`` recorded them, every block."""
+    try:
+        fd = os.open(sf.path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return [Problem(table, sf.path, 0, sf.size, "source file is missing")]
+    try:
+        check_source(fd, sf, table)
+    except EngramDBError as e:
+        return [Problem(table, sf.path, 0, sf.size, str(e))]
+    finally:
+        os.close(fd)
+    if not sf.blocks:
+        return []
+    entry = FileEntry(path=sf.path, bytes=sf.size, xxh3_64=sf.xxh3_64, blocks=sf.blocks)
+    return check_file(Path("/"), entry, "source file", table=table, progress=progress)
 
 
 def total_bytes(db_path: str | os.PathLike[str], tables: list[str] | None = None) -> int:

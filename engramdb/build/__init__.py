@@ -7,6 +7,7 @@ garbage collection). The names below are today's ``engramdb.build`` surface.
 
 from __future__ import annotations
 
+from engramdb.build.attach import AttachSummary, attach
 from engramdb.build.table import CHUNK_BYTES, STAGE_BYTES, BuildSummary, build, drop_table
 from engramdb.build.view import ViewBuildSummary, build_view
 from engramdb.disk.publish import (
@@ -18,6 +19,8 @@ from engramdb.disk.publish import (
 )
 
 __all__ = [
+    "AttachSummary",
+    "attach",
     "CHUNK_BYTES",
     "LOCK_NAME",
     "STAGE_BYTES",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from engramdb._version import __version__
+from engramdb.cli.attach_cmd import attach_cmd
 from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd
@@ -25,6 +26,7 @@ def main() -> None:
 
 
 main.add_command(build_cmd)
+main.add_command(attach_cmd)
 main.add_command(info_cmd)
 main.add_command(verify_cmd)
 main.add_command(drop_cmd)

@@ -16,9 +16,19 @@ from engramdb.units import parse_size
 
 @click.command("build")
 @click.argument("db", type=click.Path(file_okay=False))
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.argument("sources", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--table", "-t", required=True, help="Table name ([A-Za-z0-9_.-]).")
-@click.option("--row-bytes", "-r", required=True, type=int, help="Bytes per row.")
+@click.option("--row-bytes", "-r", type=int, default=None, help="Bytes per row.")
+@click.option(
+    "--from-attached",
+    is_flag=True,
+    help="Materialize attached table TABLE of DB as a built (compact) copy; no SOURCES.",
+)
+@click.option(
+    "--into",
+    default=None,
+    help="With --from-attached: the database to build in (default DB, replacing the entry).",
+)
 @click.option(
     "--heads",
     default=None,
@@ -46,7 +56,9 @@ def build_cmd(
     db: str,
     sources: tuple[str, ...],
     table: str,
-    row_bytes: int,
+    row_bytes: int | None,
+    from_attached: bool,
+    into: str | None,
     heads: str | None,
     tensor: str | None,
     dtype: str,
@@ -60,6 +72,15 @@ def build_cmd(
     Streams with bounded memory and publishes atomically: a failed or killed build leaves
     the previous database exactly as it was.
     """
+    if from_attached:
+        from engramdb.build.attach import materialize
+
+        if sources:
+            raise click.BadParameter("--from-attached takes no SOURCES")
+        echo_summaries([materialize(db, table, into)])
+        return
+    if not sources or row_bytes is None:
+        raise click.BadParameter("SOURCES and --row-bytes are required (or --from-attached)")
     total = sum(s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g)
     with progress_bar(quiet, f"building {table}", total) as bar:
         summary = build(

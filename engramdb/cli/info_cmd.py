@@ -28,13 +28,20 @@ def info_cmd(db: str, as_json: bool) -> None:
     )
     for name, t in doc["tables"].items():
         heads = [h["rows"] for h in t["heads"]]
+        att = t.get("attached")
+        where = (
+            f"attached to {len(att['files'])} source file(s), {len(att['columns'])} column(s)"
+            if att
+            else f"built, {len(t['shards'])} shard(s), {t['layout']['rows_per_badge']:,} rows/badge"
+        )
         click.echo(
             f"  {name}: {t['n_rows']:,} rows x {t['row_bytes']} B = {format_bytes(t['bytes'])}, "
-            f"{len(heads)} head(s), dtype {t['dtype']}, {len(t['shards'])} shard(s), "
-            f"{t['layout']['rows_per_badge']:,} rows/badge"
+            f"{len(heads)} head(s), dtype {t['dtype']}, {where}"
         )
         if len(heads) <= 32:
             click.echo(f"    heads: {heads}")
+        for f in (att or {}).get("files", [])[:16]:
+            click.echo(f"    source: {f['path']} ({format_bytes(f['size'])})")
 
 
 @click.command("verify")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import CorruptManifest, InvalidArgument
-from engramdb.layouts.geometry import HUGE_PAGE, TableGeometry
+from engramdb.layouts.geometry import HUGE_PAGE, TableGeometry, plan_geometry
 
 FORMAT_NAME = "engramdb"
 FORMAT_VERSION = 1
@@ -82,6 +82,83 @@ class ShardInfo(FileEntry):
 
 
 @dataclass(frozen=True)
+class SourceFile:
+    """A file an attached table reads in place, with the identity recorded at attach.
+
+    ``samples`` are ``(offset, length, xxh3_64)`` of a few blocks spread over the file's
+    data; ``blocks`` (optional, ``attach --checksum``) the xxh3-64 of every
+    `CHECK_BLOCK_BYTES` block of the whole file."""
+
+    path: str  # absolute
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+    header_bytes: int = 0  # bytes of the safetensors header (length prefix + JSON); 0: raw
+    header_xxh3: str = ""
+    samples: tuple[tuple[int, int, str], ...] = ()
+    blocks: tuple[str, ...] = ()
+    xxh3_64: str = ""  # whole file, with ``blocks`` (``attach --checksum``)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ino": self.ino,
+            "dev": self.dev,
+            "header_bytes": self.header_bytes,
+            "header_xxh3": self.header_xxh3,
+            "samples": [{"offset": o, "length": n, "xxh3_64": h} for o, n, h in self.samples],
+            "blocks": list(self.blocks),
+            "xxh3_64": self.xxh3_64,
+        }
+
+
+@dataclass(frozen=True)
+class SourceRun:
+    """``rows`` consecutive rows of one column: ``rows * width`` bytes at ``offset`` of file
+    number ``file``."""
+
+    file: int
+    offset: int
+    rows: int
+    tensor: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"file": self.file, "offset": self.offset, "rows": self.rows}
+        if self.tensor is not None:
+            d["tensor"] = self.tensor
+        return d
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    """``width`` bytes of every row (columns are concatenated in order into a row), held by
+    ``runs`` in row order."""
+
+    width: int
+    runs: tuple[SourceRun, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"width": self.width, "runs": [r.to_dict() for r in self.runs]}
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Where an attached table's rows live: source files and the columns of a row."""
+
+    files: tuple[SourceFile, ...]
+    columns: tuple[SourceColumn, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": [f.to_dict() for f in self.files],
+            "columns": [c.to_dict() for c in self.columns],
+        }
+
+
+@dataclass(frozen=True)
 class TableInfo:
     name: str
     row_bytes: int
@@ -93,6 +170,8 @@ class TableInfo:
     sources: tuple[dict[str, Any], ...] = ()
     provenance: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Set for an attached table (rows read in place from source files; ``shards`` is empty).
+    attached: Attached | None = None
 
     @property
     def n_rows(self) -> int:
@@ -112,11 +191,13 @@ class TableInfo:
             "dtype": self.dtype,
             "dim": self.dim,
             "heads": [{"rows": r, "offset": o} for r, o in zip(self.heads, offs)],
-            "layout": self.geometry.to_dict(),
+            "layout": {"kind": "attached"} if self.attached else self.geometry.to_dict(),
             "shards": [s.to_dict() for s in self.shards],
             "sources": list(self.sources),
             "provenance": dict(self.provenance),
         }
+        if self.attached is not None:
+            d["attached"] = self.attached.to_dict()
         d.update(self.extra)
         return d
 
@@ -174,6 +255,8 @@ def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
             raise CorruptManifest(f"manifest: {where}.heads[{i}].offset is not the prefix sum")
         offset += h["rows"]
     layout = _req(d, "layout", dict, where)
+    if layout.get("kind") == "attached":
+        return _parse_attached(name, d, row_bytes, heads)
     if layout.get("kind") != "compact":
         raise CorruptManifest(f"manifest: {where} has unknown layout kind {layout.get('kind')!r}")
     if layout.get("alignment", HUGE_PAGE) != HUGE_PAGE:
@@ -242,6 +325,94 @@ def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
         sources=tuple(d.get("sources", [])),
         provenance=dict(d.get("provenance", {})),
         extra={k: v for k, v in d.items() if k not in known},
+    )
+
+
+def _int(d: Any, key: str, where: str, lo: int = 0) -> int:
+    v = _req(d, key, int, where)
+    if v < lo:
+        raise CorruptManifest(f"manifest: {where}.{key} = {v} must be >= {lo}")
+    return int(v)
+
+
+def _parse_attached(
+    name: str, d: dict[str, Any], row_bytes: int, heads: tuple[int, ...]
+) -> TableInfo:
+    where = f"table {name!r}"
+    if d.get("shards", []) != []:
+        raise CorruptManifest(f"manifest: {where} is attached and lists shards")
+    doc = _req(d, "attached", dict, where)
+    files = []
+    for i, f in enumerate(_req(doc, "files", list, f"{where}.attached")):
+        fw = f"{where}.attached.files[{i}]"
+        path = _req(f, "path", str, fw)
+        if not path.startswith("/"):
+            raise CorruptManifest(f"manifest: {fw}.path {path!r} is not absolute")
+        samples = []
+        for j, s in enumerate(_req(f, "samples", list, fw)):
+            sw = f"{fw}.samples[{j}]"
+            h = _req(s, "xxh3_64", str, sw)
+            if not _HEX64.match(h):
+                raise CorruptManifest(f"manifest: {sw}.xxh3_64 is not 16 hex digits")
+            samples.append((_int(s, "offset", sw), _int(s, "length", sw, 1), h))
+        blocks = tuple(f.get("blocks", []))
+        size = _int(f, "size", fw)
+        if blocks and (
+            len(blocks) != -(-size // CHECK_BLOCK_BYTES) or not all(_HEX64.match(b) for b in blocks)
+        ):
+            raise CorruptManifest(f"manifest: {fw}.blocks does not cover the file")
+        files.append(
+            SourceFile(
+                path=path,
+                size=size,
+                mtime_ns=_int(f, "mtime_ns", fw),
+                ino=_int(f, "ino", fw),
+                dev=_int(f, "dev", fw),
+                header_bytes=_int(f, "header_bytes", fw),
+                header_xxh3=str(f.get("header_xxh3", "")),
+                samples=tuple(samples),
+                blocks=blocks,
+                xxh3_64=str(f.get("xxh3_64", "")),
+            )
+        )
+    columns = []
+    for i, c in enumerate(_req(doc, "columns", list, f"{where}.attached")):
+        cw = f"{where}.attached.columns[{i}]"
+        width = _int(c, "width", cw, 1)
+        runs = []
+        for j, r in enumerate(_req(c, "runs", list, cw)):
+            rw = f"{cw}.runs[{j}]"
+            run = SourceRun(
+                file=_int(r, "file", rw),
+                offset=_int(r, "offset", rw),
+                rows=_int(r, "rows", rw, 1),
+                tensor=r.get("tensor") if isinstance(r.get("tensor"), str) else None,
+            )
+            if run.file >= len(files):
+                raise CorruptManifest(f"manifest: {rw}.file {run.file} names no file")
+            if run.offset + run.rows * width > files[run.file].size:
+                raise CorruptManifest(f"manifest: {rw} runs past the end of its file")
+            runs.append(run)
+        if sum(r.rows for r in runs) != sum(heads):
+            raise CorruptManifest(f"manifest: {cw} does not hold n_rows rows")
+        columns.append(SourceColumn(width=width, runs=tuple(runs)))
+    if not columns or sum(c.width for c in columns) != row_bytes:
+        raise CorruptManifest(f"manifest: {where} column widths do not sum to row_bytes")
+    known = {"row_bytes", "n_rows", "dtype", "dim", "heads", "layout", "shards", "sources"}
+    known |= {"provenance", "attached"}
+    dim = d.get("dim")
+    return TableInfo(
+        name=name,
+        row_bytes=row_bytes,
+        heads=heads,
+        geometry=plan_geometry(sum(heads), row_bytes),
+        shards=(),
+        dtype=str(d.get("dtype", "u8")),
+        dim=int(dim) if isinstance(dim, int) else None,
+        sources=tuple(d.get("sources", [])),
+        provenance=dict(d.get("provenance", {})),
+        extra={k: v for k, v in d.items() if k not in known},
+        attached=Attached(files=tuple(files), columns=tuple(columns)),
     )
 
 

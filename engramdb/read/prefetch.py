@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from engramdb.errors import InvalidArgument, StoreClosed
-from engramdb.io.gather import take_rows
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
-from engramdb.read.plan import GeometryLike, plan_reads
+from engramdb.read.plan import GeometryLike, ReadPlan
 from engramdb.stats import Stats
 from engramdb.validate import as_rowids, check_bounds
 
@@ -59,6 +58,8 @@ class RowSource(Protocol):
     @property
     def fd_array(self) -> np.ndarray: ...
     def array(self) -> np.ndarray: ...
+    def plan_for(self, flat: np.ndarray) -> ReadPlan: ...
+    def take_mapped(self, flat: np.ndarray, out2d: np.ndarray) -> None: ...
     def scratch(self, name: str, nbytes: int) -> np.ndarray: ...
     def read_below(self, flat: np.ndarray, out2d: np.ndarray) -> None: ...
 
@@ -333,13 +334,13 @@ class Prefetcher:
         # cache), then a gather through the mapping to install the page-table entries.
         if self._buffered is None:
             self._buffered = cold_backend(direct=False)
-        plan = plan_reads(ids, store.geometry, validated=True)
+        plan = store.plan_for(ids)
         scratch = store.scratch("prefetch_io", plan.scratch_bytes)
         self._buffered.read(
             store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
         )
         rows = store.scratch("prefetch", ids.size * store.row_bytes)
-        take_rows(store.array(), ids, rows.reshape(ids.size, store.row_bytes))
+        store.take_mapped(ids, rows.reshape(ids.size, store.row_bytes))
         return int(ids.size)
 
     def close(self) -> None:

@@ -26,15 +26,16 @@ from typing import Any
 import numpy as np
 
 from engramdb.disk.files import open_shards
-from engramdb.errors import StoreClosed
+from engramdb.errors import InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
 from engramdb.io.gather import take_rows
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
 from engramdb.io.select import AutoBackend
 from engramdb.layouts.geometry import TableGeometry
 from engramdb.layouts.manifest import TableInfo
+from engramdb.read.attached import SourceSegments
 from engramdb.read.cache import RowCache
-from engramdb.read.plan import assemble, locate, plan_reads
+from engramdb.read.plan import ReadPlan, assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
@@ -73,20 +74,32 @@ class LocalTable(RowTable):
         self._db = Path(db_path)
         self.info = info
         self.geometry: TableGeometry = info.geometry
-        self._fds = open_shards(self._db, info)
-        self._mapping: ShardMapping | None = None
+        self._fds = open_shards(self._db, info)  # attached: identity-checked source files
+        self._mapping: ShardMapping | SourceSegments | None = None
+        #: An attached table's source mappings (None for a built table).
+        self._segments: SourceSegments | None = None
         try:
-            self._mapping = ShardMapping(self._fds, [s.bytes for s in info.shards])
-            self._table: np.ndarray | None = self._mapping.array(self.n_rows, self.row_bytes)
             for fd in self._fds:
                 # The table is read at random: no read-ahead on the syscall paths either.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            flat = self._table.reshape(-1)
-            regions = {}
-            start = 0
-            for fd, sh in zip(self._fds, info.shards):
-                regions[fd] = flat[start : start + sh.bytes]
-                start += sh.bytes
+            if info.attached is not None:
+                seg = self._segments = SourceSegments(info, self._fds)
+                self._mapping = seg
+                # several columns / runs are not one array: `array()` refuses, reads use `seg`
+                one = seg.single
+                self._table: np.ndarray | None = (
+                    one if one is not None else np.zeros((0, self.row_bytes), np.uint8)
+                )
+                regions = seg.regions()
+            else:
+                self._mapping = ShardMapping(self._fds, [s.bytes for s in info.shards])
+                self._table = self._mapping.array(self.n_rows, self.row_bytes)
+                flat = self._table.reshape(-1)
+                regions = {}
+                start = 0
+                for fd, sh in zip(self._fds, info.shards):
+                    regions[fd] = flat[start : start + sh.bytes]
+                    start += sh.bytes
             self._backend: Backend | None = make_backend(
                 backend, regions=regions, **backend_options
             )
@@ -156,7 +169,37 @@ class LocalTable(RowTable):
         t = self._table
         if t is None:
             raise StoreClosed(f"table {self.name!r} is closed")
+        seg = self._segments
+        if seg is not None:
+            seg.guard()  # a source truncated while open: TruncatedFile, not SIGBUS later
+            if seg.single is None:
+                raise InvalidLayout(
+                    f"attached table {self.name!r} assembles rows from several source "
+                    "tensors: it is not one mapped array (use fetch / gather)"
+                )
         return t
+
+    @property
+    def attached(self) -> bool:
+        """Whether the table reads its rows in place from source files (`engramdb.attach`)."""
+        return self._segments is not None
+
+    def plan_for(self, flat: np.ndarray) -> ReadPlan:
+        """The syscall reads of validated ids ``flat`` (read them into a scratch of
+        ``plan.scratch_bytes`` with descriptors ``fd_array[plan.shard]``, then `assemble`)."""
+        seg = self._segments
+        if seg is not None:
+            return seg.plan(flat)  # guards the files it reads
+        return plan_reads(flat, self.geometry, validated=True)
+
+    def take_mapped(self, flat: np.ndarray, out2d: np.ndarray, *, serial: bool = False) -> None:
+        """Rows of validated ids gathered from the mapping (faults in cold pages)."""
+        seg = self._segments
+        if seg is not None and seg.single is None:
+            self.check_open()
+            seg.take(flat, out2d)
+            return
+        (_take_serial if serial else take_rows)(self.array(), flat, out2d)
 
     def scratch(self, name: str, nbytes: int) -> np.ndarray:
         """A reused per-thread uint8 buffer of ``nbytes`` for the caller's ``name`` (fresh
@@ -189,7 +232,8 @@ class LocalTable(RowTable):
         backend = self._backend
         assert backend is not None
         sample = flat[:: max(1, flat.size // 16)]
-        shard, off = locate(sample, self.geometry)
+        seg = self._segments
+        shard, off = locate(sample, self.geometry) if seg is None else seg.where(sample)
         return backend.choose(self._fd_array[shard], off, self.row_bytes, batch_rows=flat.size)
 
     def read_below(
@@ -207,8 +251,13 @@ class LocalTable(RowTable):
         io_uring/preadv for cold data); syscall paths dedupe and sort the reads. ``serial``
         keeps a large mapped gather on this thread (callers that run their own workers);
         ``chosen`` is the backend's pick when the caller already asked for it."""
-        take = _take_serial if serial else take_rows
-        table = self.array()
+        if self._segments is not None:
+            take: Callable[..., None] = self._take_segments
+            self.check_open()
+            table = self._table
+        else:
+            take = _take_serial if serial else take_rows
+            table = self.array()
         backend = self._backend
         assert backend is not None
         if not backend.wants_plan and backend.name == "mmap":
@@ -229,13 +278,18 @@ class LocalTable(RowTable):
         if not chosen.wants_plan:
             take(table, flat, out2d)
         else:
-            plan = plan_reads(flat, self.geometry, validated=True)
+            plan = self.plan_for(flat)
             scratch = self.scratch("reads", plan.scratch_bytes)
             chosen.read(
                 self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
             )
             assemble(plan, scratch, out2d)
         backend.feedback(chosen, n, time.perf_counter() - t0)
+
+    def _take_segments(self, _table: Any, flat: np.ndarray, out2d: np.ndarray) -> None:
+        seg = self._segments
+        assert seg is not None
+        seg.take(flat, out2d)
 
     def _gather_tiered(self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray) -> None:
         """A large batch through the RAM tier, or past it while the table is resident.
@@ -302,6 +356,7 @@ class LocalTable(RowTable):
         pf = self._prefetcher
         if (
             self._cache is not None
+            or self._segments is not None
             or (pf is not None and pf.busy)
             or flat.size >= self._unsampled_rows
             or not self.mapped_state()
@@ -323,7 +378,7 @@ class LocalTable(RowTable):
     def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Gather validated ids known to be in the page cache (a finished page-cache
         prefetch) straight from the mapping."""
-        take_rows(self.array(), flat, out2d)
+        self.take_mapped(flat, out2d)
         c = self._counters
         c["fetch_calls"] += 1
         c["rows_fetched"] += flat.size

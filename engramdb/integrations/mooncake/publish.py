@@ -45,6 +45,7 @@ from engramdb.io.preadv import PreadvBackend
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import parse_views as local_views
 from engramdb.layouts.view import source_hash
+from engramdb.read.attached import SourceSegments
 from engramdb.units import Summary
 
 #: Default size of one store object when a head is split (``publish``): an object must fit
@@ -125,7 +126,8 @@ def _stream_table(
         batch.clear()
         used = 0
 
-    fds = open_shards(db_path, info)
+    fds = open_shards(db_path, info)  # attached tables: their source files, identity checked
+    segments = SourceSegments(info, fds) if info.attached is not None else None
     # A few long reads per object: the pool-less path of the preadv backend (the caller's
     # thread), continuing short reads and naming the file of a failed one.
     reader = PreadvBackend(threads=1)
@@ -135,13 +137,19 @@ def _stream_table(
             nbytes = rows * rb
             if used + nbytes > stage.nbytes:
                 flush()
-            shard, offset, length, dest = shard_reads(info, int(info.head_offsets[h]) + first, rows)
-            reader.read(fd_array[shard], offset, length, stage, dest + used)
+            g = int(info.head_offsets[h]) + first
+            if segments is not None:
+                segments.read_range(g, rows, stage[used : used + nbytes].reshape(rows, rb))
+            else:
+                shard, offset, length, dest = shard_reads(info, g, rows)
+                reader.read(fd_array[shard], offset, length, stage, dest + used)
             batch.append((key, used, nbytes))
             used += nbytes
         flush()
     finally:
         reader.close()
+        if segments is not None:
+            segments.close()
         for fd in fds:
             os.close(fd)
     return total

@@ -1,0 +1,245 @@
+"""Attached tables: attach/open time of a sparse 50 GB checkpoint, and warm/cold rows/s of
+attached tables against the same tables built, in the same run.
+
+    python probes/attach.py [--quick] [--gib 1] [--sparse-gb 50] [--reps 5] [--dir /tmp]
+
+1. Sparse: a V4.1-shaped safetensors file (``layers.1.engram.embed.weight`` F8_E4M3
+   ``[N, 256]`` + ``.scale`` F8_E8M0 ``[N, 8]``, ``--sparse-gb`` GB, made with ``truncate``:
+   holes, no data). Times ``engramdb.attach`` and ``engramdb.open`` + the table handle
+   (median of 5), and checks that no data byte was written (the file's allocated blocks do
+   not change; the database directory holds only ``manifest.json`` and ``.lock``).
+2. Real data (``--gib`` GiB of random rows in one safetensors file): table ``w`` attaches the
+   weight tensor (one column: 256 B rows), ``ws`` weight + scale (264 B rows from two
+   tensors); ``w_built`` / ``ws_built`` are the same rows built (``build --from-attached``).
+   Warm (populated, single-thread baseline ``np.take`` on the built mapping first): batches
+   of 16,384 random ids through ``fetch_into``. Cold (every arm: own mappings dropped, files
+   evicted, residency checked < 1 %): one batch of 16,384 ids per repetition, default
+   ``auto`` backend. Arms interleaved ABAB; medians and the attached/built ratios last.
+   JSON to probes/out/attach.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleave, median, vm_hwm_mb, write_json  # noqa: E402
+
+import engramdb  # noqa: E402
+from engramdb.build.attach import materialize  # noqa: E402
+from engramdb.io.mapping import MADV_DONTNEED  # noqa: E402
+from engramdb.testing.pages import evict  # noqa: E402
+
+BATCH = 16_384
+
+
+def v41_header(n: int) -> bytes:
+    doc = {
+        "layers.1.engram.embed.weight": {
+            "dtype": "F8_E4M3",
+            "shape": [n, 256],
+            "data_offsets": [0, n * 256],
+        },
+        "layers.1.engram.embed.scale": {
+            "dtype": "F8_E8M0",
+            "shape": [n, 8],
+            "data_offsets": [n * 256, n * 264],
+        },
+    }
+    text = json.dumps(doc).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def sparse_part(root: Path, gb: float) -> dict[str, Any]:
+    n = int(gb * 1e9) // 264
+    src = root / "sparse.safetensors"
+    head = v41_header(n)
+    with open(src, "wb") as f:
+        f.write(head)
+    os.truncate(src, len(head) + n * 264)
+    blocks0 = os.stat(src).st_blocks
+    db = root / "sparse_db"
+    t0 = time.perf_counter()
+    engramdb.attach(db, "t", [src], tensor="*embed.weight", scale_tensor="*embed.scale")
+    attach_s = time.perf_counter() - t0
+    opens = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with engramdb.open(db) as d:
+            st = d["t"]
+            opens.append(time.perf_counter() - t0)
+            assert st.n_rows == n and st.row_bytes == 264
+    files = sorted(os.listdir(db))
+    out = {
+        "file_gb": os.stat(src).st_size / 1e9,
+        "attach_ms": attach_s * 1e3,
+        "open_ms_median": median(opens) * 1e3,
+        "open_ms_all": [o * 1e3 for o in opens],
+        "source_blocks_unchanged": os.stat(src).st_blocks == blocks0,
+        "db_files": files,
+        "manifest_bytes": os.stat(db / "manifest.json").st_size,
+    }
+    print(
+        f"sparse {out['file_gb']:.1f} GB: attach {out['attach_ms']:.1f} ms, open+table "
+        f"{out['open_ms_median']:.1f} ms (median of 5), source blocks unchanged: "
+        f"{out['source_blocks_unchanged']}, db holds {files} ({out['manifest_bytes']} B manifest)"
+    )
+    return out
+
+
+def real_file(root: Path, gib: float) -> tuple[Path, int]:
+    n = int(gib * 2**30) // 264
+    src = root / "model-00001-of-00001.safetensors"
+    rng = np.random.default_rng(7)
+    with open(src, "wb") as f:
+        f.write(v41_header(n))
+        step = (64 << 20) // 256
+        for lo in range(0, n, step):
+            f.write(rng.integers(0, 256, (min(step, n - lo), 256), np.uint8).tobytes())
+        f.write(rng.integers(0, 256, (n, 8), np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return src, n
+
+
+def drop(tables: list[Any]) -> None:
+    """Cold state: drop every table's mapped pages (attached tables share a source file),
+    then evict every file."""
+    for st in tables:
+        st._mapping.advise(MADV_DONTNEED)
+    for st in tables:
+        if st.attached:
+            paths = [f.path for f in st.info.attached.files]
+        else:
+            paths = [str(st.db_path / s.path) for s in st.info.shards]
+        for p in paths:
+            evict(p)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gib", type=float, default=None)
+    ap.add_argument("--sparse-gb", type=float, default=50)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    gib = a.gib if a.gib is not None else (0.5 if a.quick else 1.0)
+    reps = a.reps if a.reps is not None else (3 if a.quick else 5)
+    root = Path(tempfile.mkdtemp(prefix="attach-probe-", dir=a.dir))
+    doc: dict[str, Any] = {"gib": gib, "reps": reps}
+    try:
+        doc["sparse"] = sparse_part(root, a.sparse_gb)
+        src, n = real_file(root, gib)
+        db, built = root / "db", root / "built"
+        engramdb.attach(db, "w", [src], tensor="*embed.weight")
+        engramdb.attach(db, "ws", [src], tensor="*embed.weight", scale_tensor="*embed.scale")
+        engramdb.attach(built, "w_tmp", [src], tensor="*embed.weight")
+        engramdb.attach(built, "ws_tmp", [src], tensor="*embed.weight", scale_tensor="*embed.scale")
+        for name in ("w", "ws"):
+            materialize(built, f"{name}_tmp")
+        cold_opens = []
+        for _ in range(3):  # identity check with the header and sampled blocks on the device
+            evict(src)
+            t0 = time.perf_counter()
+            with engramdb.open(db) as d:
+                d["ws"]
+                cold_opens.append(time.perf_counter() - t0)
+        doc["cold_open_ms"] = [x * 1e3 for x in cold_opens]
+        print(
+            f"open of the attached db with its {gib} GiB source evicted: "
+            f"{median(cold_opens) * 1e3:.1f} ms (median of 3; 2 tables, ~5 reads per file)"
+        )
+        rng = np.random.default_rng(1)
+        ids = [rng.integers(0, n, BATCH) for _ in range(8)]
+        with engramdb.open(db) as da, engramdb.open(built) as dbb:
+            t = {"w": da["w"], "ws": da["ws"], "w_built": dbb["w_tmp"], "ws_built": dbb["ws_tmp"]}
+            for k in ("w", "ws"):  # correctness first
+                want = t[f"{k}_built"].fetch(ids[0])
+                assert np.array_equal(t[k].fetch(ids[0]), want), k
+            for st in t.values():
+                st.populate()
+            ref = t["w_built"].array()
+            outs = {k: np.empty((BATCH, st.row_bytes), np.uint8) for k, st in t.items()}
+
+            def warm(k: str) -> Any:
+                st, out = t[k], outs[k]
+
+                def arm() -> float:
+                    t0 = time.perf_counter()
+                    for b in ids:
+                        st.fetch_into(b, out)
+                    return BATCH * len(ids) / (time.perf_counter() - t0)
+
+                return arm
+
+            def take_ref() -> float:
+                out = outs["w_built"]
+                t0 = time.perf_counter()
+                for b in ids:
+                    np.take(ref, b, axis=0, out=out, mode="clip")
+                return BATCH * len(ids) / (time.perf_counter() - t0)
+
+            print(f"warm, {gib} GiB, batches of {BATCH} random ids (rows/s):")
+            arms = {"np.take(built)": take_ref, **{k: warm(k) for k in t}}
+            w = interleave(arms, reps)
+            w["np.take(built) last"] = [take_ref()]
+
+            def cold(k: str) -> Any:
+                st, out = t[k], outs[k]
+
+                def arm() -> float:
+                    drop(list(t.values()))
+                    res = st.residency()
+                    assert res < 0.01, f"{k} still {res:.1%} resident"
+                    b = rng.integers(0, n, BATCH)
+                    t0 = time.perf_counter()
+                    st.fetch_into(b, out)
+                    return BATCH / (time.perf_counter() - t0)
+
+                return arm
+
+            print("cold (evicted, residency checked), one batch per rep (rows/s):")
+            c = interleave({k: cold(k) for k in t}, reps)
+        doc["warm"] = w
+        doc["cold"] = c
+        med = {f"warm {k}": median(v) for k, v in w.items()}
+        med |= {f"cold {k}": median(v) for k, v in c.items()}
+        print("medians:")
+        for k, v in med.items():
+            print(f"  {k}: {v / 1e6:.3f} M rows/s")
+        ratios = {
+            f"{mode} {k} attached/built": med[f"{mode} {k}"] / med[f"{mode} {k}_built"]
+            for mode in ("warm", "cold")
+            for k in ("w", "ws")
+        }
+        ratios["warm w_built / np.take"] = med["warm w_built"] / med["warm np.take(built)"]
+        doc["ratios"] = ratios
+        doc["vm_hwm_mb"] = vm_hwm_mb()
+        print("ratios:")
+        for k, v in ratios.items():
+            print(f"  {k}: {v:.2f}x")
+        s = doc["sparse"]
+        print(
+            f"acceptance: attach {s['attach_ms']:.0f} ms (< 1000), open {s['open_ms_median']:.1f} ms "
+            f"(< 100), no data written: {s['source_blocks_unchanged']}"
+        )
+        print(f"json: {write_json('attach', doc)}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
