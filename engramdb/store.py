@@ -54,7 +54,7 @@ def _raw_form(
             "the raw-row form needs shards, rows_per_shard and width, got "
             f"shards={n!r}, rows_per_shard={rows_per_shard!r}, width={width!r}"
         )
-    return n, rows_per_shard, width
+    return int(n), int(rows_per_shard), int(width)
 
 
 class Store(LocalTable):

@@ -27,7 +27,6 @@ import numpy as np
 
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument, MissingDependency, ShapeMismatch, TableNotFound
-from engramdb.store import Store
 from engramdb.table_api import RowTable
 
 
@@ -59,8 +58,8 @@ class Undo:
         return f"<Undo {self.what} {'active' if self.active else 'undone'}>"
 
 
-def _as_store(store: Any, table: str | None = None) -> Store:
-    if isinstance(store, Store):
+def _as_store(store: Any, table: str | None = None) -> RowTable:
+    if isinstance(store, RowTable):
         return store
     if isinstance(store, (Database, str, os.PathLike)):
         db = store if isinstance(store, Database) else Database(store)
@@ -78,14 +77,22 @@ def _install_embedding_attr(
     attr_name: str,
     embedding_dim: int | None,
     engine: str,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
-    from engramdb.torch import DiskEmbedding  # needs the torch extra
-
     if not isinstance(model_cls, type):
         raise InvalidArgument(f"model_cls must be a class, got {type(model_cls).__name__}")
     table = _as_store(store)
-    disk = DiskEmbedding(table, **disk_kwargs)
+    disk: Any
+    if dtype is not None or cache_size is not None:  # the published signature
+        from engramdb.integrations.ple import DiskPleEmbedding
+
+        disk = DiskPleEmbedding(table, None, embedding_dim, dtype, cache_size, **disk_kwargs)
+    else:
+        from engramdb.torch import DiskEmbedding  # needs the torch extra
+
+        disk = DiskEmbedding(table, **disk_kwargs)
     if embedding_dim is not None and disk.embedding_dim != embedding_dim:
         raise ShapeMismatch(
             f"table {table.name!r} decodes to {disk.embedding_dim} values per row, the model "
@@ -145,14 +152,19 @@ def install_vllm_ple(
     store: Any,
     attr_name: str = "embed_tokens_per_layer",
     embedding_dim: int | None = None,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
     """Serve a vLLM model's per-layer embedding (PLE) table from EngramDB.
 
-    ``store``: a `Store`, or a `Database` / path holding one table. Patch before the engine
-    constructs ``model_cls``; call the returned `Undo` to restore the class."""
+    ``store``: a table handle (`Store`, raw row shards, any `RowTable`), or a `Database` /
+    path holding one table. Patch before the engine constructs ``model_cls``; call the
+    returned `Undo` to restore the class. ``dtype`` / ``cache_size`` (the published
+    signature) serve a `DiskPleEmbedding` whose rows are read as ``dtype``; without them a
+    ``DiskEmbedding`` decodes rows by the table's dtype hint."""
     return _install_embedding_attr(
-        model_cls, store, attr_name, embedding_dim, "vllm", **disk_kwargs
+        model_cls, store, attr_name, embedding_dim, "vllm", dtype, cache_size, **disk_kwargs
     )
 
 
@@ -161,11 +173,13 @@ def install_sglang_ple(
     store: Any,
     attr_name: str = "embed_tokens_per_layer",
     embedding_dim: int | None = None,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
     """Same contract as `install_vllm_ple`, for SGLang model classes."""
     return _install_embedding_attr(
-        model_cls, store, attr_name, embedding_dim, "sglang", **disk_kwargs
+        model_cls, store, attr_name, embedding_dim, "sglang", dtype, cache_size, **disk_kwargs
     )
 
 

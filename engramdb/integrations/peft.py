@@ -35,7 +35,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -121,8 +121,8 @@ def cow_rows(store: RowTable, n_rows: int) -> np.ndarray | None:
     region = _Region(paths, sizes)
     assert region.base is not None
     buf = (ctypes.c_uint8 * nbytes).from_address(region.base)
-    buf._engramdb_region = region  # type: ignore[attr-defined]  # keeps the mapping alive
-    return np.frombuffer(buf, dtype=np.uint8).reshape(n_rows, store.row_bytes)
+    buf.engramdb_region = region  # type: ignore[attr-defined]  # keeps the mapping alive
+    return np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(n_rows, store.row_bytes)
 
 
 class TableEmbedding(nn.Embedding):
@@ -132,12 +132,31 @@ class TableEmbedding(nn.Embedding):
     def __init__(self, weight: torch.Tensor, *, sparse: bool, save_table: bool):
         super().__init__(weight.shape[0], weight.shape[1], sparse=sparse, _weight=weight)
         self.save_table = save_table
-        self._clean_version = self.weight._version
+        self.cast_to: torch.dtype | None = None
+        self._clean_version = self.weight._version  # noqa: SLF001  (torch's write counter)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        w = cast(nn.Parameter, self.weight)
+        probe = fn(torch.empty(1, dtype=w.dtype, device=w.device))
+        if probe.device != w.device:  # moving to an accelerator copies, as asked
+            return super()._apply(fn, recurse)
+        # Converting the mapped weight would copy the table: keep it, cast outputs instead.
+        del self._parameters["weight"]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = w
+        self.cast_to = None if probe.dtype == w.dtype else probe.dtype
+        return self
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        return out if self.cast_to is None else out.to(self.cast_to)
 
     @property
     def written(self) -> bool:
         """Whether the weight was written in place in this process (private pages)."""
-        return bool(self.weight._version != self._clean_version)
+        return bool(self.weight._version != self._clean_version)  # noqa: SLF001
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         if self.save_table or self.written:
@@ -248,21 +267,11 @@ class DiskBackedMultiHeadEmbedding(nn.Module):
         return super().__getattr__(name)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        emb = self._modules.get("embedding")
-        out_dtype = self.value_dtype if self.mode == "embedding" else self._lookup_dtype()
-        probe = fn(torch.empty(1, dtype=out_dtype))
-        if not isinstance(emb, TableEmbedding) or probe.device.type != "cpu":
-            # lookup mode has no table tensor; moving to an accelerator copies, as asked
-            super()._apply(fn, recurse)
-        else:
-            w = emb.weight
-            del emb._parameters["weight"]
-            try:
-                super()._apply(fn, recurse)
-            finally:
-                emb._parameters["weight"] = w
-        # The mapped weight keeps its dtype (converting would copy the table); cast outputs.
-        self._cast = None if probe.dtype == out_dtype else probe.dtype
+        super()._apply(fn, recurse)  # the mapped weight takes care of itself (TableEmbedding)
+        if self.mode == "lookup":
+            out_dtype = self._lookup_dtype()
+            probe = fn(torch.empty(1, dtype=out_dtype))
+            self._cast = None if probe.dtype == out_dtype else probe.dtype
         return self
 
     def _lookup_dtype(self) -> torch.dtype:
@@ -273,8 +282,7 @@ class DiskBackedMultiHeadEmbedding(nn.Module):
     def forward(self, hash_indices: torch.Tensor) -> torch.Tensor:
         ids = hash_indices.to(self.offsets.device) + self.offsets
         if self.mode == "embedding":
-            out = self.embedding(ids)
-            return out if self._cast is None else out.to(self._cast)
+            return self.embedding(ids)  # type: ignore[no-any-return]
         flat = ids.reshape(-1).cpu().numpy()
         raw = torch.empty((flat.size, self.store.row_bytes), dtype=torch.uint8)
         self.store.fetch_into(flat, raw.numpy())

@@ -90,18 +90,14 @@ def raw_layout(
         if size % width:
             raise CorruptFile(f"raw shard {fname!r}: {size} bytes is not a multiple of {width}")
         rows = size // width
-        entries.append(
-            ShardInfo(path=fname, bytes=size, xxh3_64="", first_row=n_rows, rows=rows)
-        )
+        entries.append(ShardInfo(path=fname, bytes=size, xxh3_64="", first_row=n_rows, rows=rows))
         n_rows += rows
     # The geometry a built table would have: badges that tile pages; with one shard (or page
     # multiples) the back-to-back mapping holds the rows at r * width.
     rpb = math.lcm(width, PAGE) // width
     mappable = shards == 1 or full % PAGE == 0
     rps = rows_per_shard if full % PAGE == 0 else rpb * max(1, -(-n_rows // rpb))
-    geometry = TableGeometry(
-        n_rows=n_rows, row_bytes=width, rows_per_badge=rpb, rows_per_shard=rps
-    )
+    geometry = TableGeometry(n_rows=n_rows, row_bytes=width, rows_per_badge=rpb, rows_per_shard=rps)
     head_rows = (n_rows,) if heads is None else tuple(int(h) for h in np.asarray(heads).ravel())
     if sum(head_rows) > n_rows:
         raise InvalidArgument(f"heads sum to {sum(head_rows)} rows, the shards hold {n_rows}")
