@@ -42,6 +42,8 @@ _LAZY: dict[str, str] = {
     "Prefetcher": "engramdb.read.prefetch",
     "Ticket": "engramdb.read.prefetch",
     "RowTable": "engramdb.table_api",
+    "rowids_for_seq": "engramdb.keygen.seq",
+    "rowids_for_seq_with_history": "engramdb.keygen.seq",
     "TableSchema": "engramdb.table_api",
     "Store": "engramdb.store",
     "stream": "engramdb.stream",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig
     from engramdb.integrations.mooncake import open_mooncake
     from engramdb.io import IoUringPageReader, PageReader
+    from engramdb.keygen.seq import rowids_for_seq, rowids_for_seq_with_history
     from engramdb.read.prefetch import Prefetcher, Ticket
     from engramdb.store import Store
     from engramdb.stream import stream
@@ -137,6 +140,8 @@ __all__ = [
     "open",
     "open_mooncake",
     "open_view",
+    "rowids_for_seq",
+    "rowids_for_seq_with_history",
     "stream",
     "verify",
     "verify_views",

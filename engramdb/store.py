@@ -8,34 +8,141 @@ of one table asks for: its Store-P views, prefetch submission, the hot set, and 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from engramdb.errors import InvalidArgument
+from engramdb.disk.publish import read_manifest
+from engramdb.errors import InvalidArgument, TableNotFound
 from engramdb.keygen import preset as keygen_preset
+from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import load_index
 from engramdb.read.prefetch import Ticket
+from engramdb.read.raw import RawShardTable, raw_layout
 from engramdb.read.table import LocalTable
 from engramdb.validate import as_rowids, check_bounds
 from engramdb.view import View, open_view
 
 __all__ = ["Store"]
 
+_DESCRIBE = ("name", "dtype", "dim", "heads")
+
+
+def _describe(kwargs: dict[str, Any], *, pop: bool = False) -> dict[str, Any]:
+    """The raw-row form's row description (``name``, ``dtype``, ``dim``, ``heads``)."""
+    get = kwargs.pop if pop else kwargs.get
+    return {k: v for k in _DESCRIBE if (v := get(k, None)) is not None}
+
+
+def _raw_form(
+    db_path: Any, info: Any, rows_per_shard: Any, width: Any, shards: Any
+) -> tuple[int, int, int] | None:
+    """``(shards, rows_per_shard, width)`` when the call is the raw-row form, else None."""
+    if info is not None and not isinstance(info, (int, np.integer)):
+        if shards is not None or rows_per_shard is not None or width is not None:
+            raise InvalidArgument("pass a TableInfo or shards/rows_per_shard/width, not both")
+        return None
+    if info is not None and shards is not None:
+        raise InvalidArgument(f"shards given twice: {info!r} and shards={shards!r}")
+    n = info if info is not None else shards
+    if n is None and rows_per_shard is None and width is None:
+        return None
+    if n is None or rows_per_shard is None or width is None:
+        raise InvalidArgument(
+            "the raw-row form needs shards, rows_per_shard and width, got "
+            f"shards={n!r}, rows_per_shard={rows_per_shard!r}, width={width!r}"
+        )
+    return int(n), int(rows_per_shard), int(width)
+
 
 class Store(LocalTable):
     """One table of an open database. Thread-safe for concurrent reads.
 
+    Three ways to open one:
+
+    * ``Store(db_path, info)`` — a table of a built database, from its manifest entry (what
+      `Database` does);
+    * ``Store(db_path, table="name")`` — the same, reading the manifest itself;
+    * ``Store(path, shards, rows_per_shard, width, threads=None)`` (positional or keywords) —
+      the published EngramDB Python API's raw row shards: ``shard_{i:03d}.bin`` files with no
+      header, row ``r`` in shard ``r // rows_per_shard`` at ``(r % rows_per_shard) * width``
+      (see `engramdb.read.raw`). Read in place, no copy. When the shards map back to back
+      (one shard, or shard bytes a multiple of 4 KiB) this is a `Store` with every read path;
+      otherwise the call returns a `RawShardTable` (the same `RowTable` read surface, mapped
+      per shard; no views, prefetch or RAM tier). ``threads`` is accepted for compatibility:
+      large gathers here size their own worker pool. ``heads=``, ``dtype=``, ``dim=`` and
+      ``name=`` describe the rows (defaults: one head, raw bytes, the directory's name).
+
     Row ids are *global* (``head_offsets[h] + local``) for `fetch` / `fetch_into`, and
-    per-head *local* for `lookup_into`. Every call validates first and writes the output
-    only after validation passed, so a bad id never leaves a half-written buffer.
+    per-head *local* for `lookup_into`. ``fetch`` accepts lists and arrays of ints and
+    returns a uint8 ndarray (it supports the buffer protocol, so
+    ``np.frombuffer(store.fetch(ids), dtype)`` works). Every call validates first and writes
+    the output only after validation passed, so a bad id never leaves a half-written buffer.
     """
+
+    def __new__(cls, db_path: Any = None, info: Any = None, *args: Any, **kwargs: Any) -> Any:
+        rows_per_shard = args[0] if args else kwargs.get("rows_per_shard")
+        width = args[1] if len(args) > 1 else kwargs.get("width")
+        raw = _raw_form(db_path, info, rows_per_shard, width, kwargs.get("shards"))
+        if raw is not None:
+            layout, mappable = raw_layout(db_path, *raw, **_describe(kwargs))
+            if not mappable:
+                return RawShardTable(db_path, layout, raw[1])
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        db_path: str | os.PathLike[str],
+        info: TableInfo | int | None = None,
+        rows_per_shard: int | None = None,
+        width: int | None = None,
+        *,
+        table: str | None = None,
+        shards: int | None = None,
+        threads: int | None = None,
+        backend: str = "auto",
+        ram_budget: int | str | None = None,
+        **backend_options: Any,
+    ):
+        describe = _describe(backend_options, pop=True)
+        raw = _raw_form(db_path, info, rows_per_shard, width, shards)
+        if raw is not None:
+            if table is not None:
+                raise InvalidArgument("table= names a table of a built database, not raw shards")
+            info = raw_layout(db_path, *raw, **describe)[0]
+        elif info is None:
+            if table is None:
+                raise InvalidArgument(
+                    "Store needs a TableInfo, table=, or shards/rows_per_shard/width"
+                )
+            manifest = read_manifest(db_path)
+            found = manifest.tables.get(table)
+            if found is None:
+                raise TableNotFound(
+                    f"no table {table!r} in {str(db_path)!r} (tables: {sorted(manifest.tables)})"
+                )
+            info = found
+        elif table is not None and table != getattr(info, "name", table):
+            raise InvalidArgument(f"table={table!r} differs from the TableInfo {info!r}")
+        assert isinstance(info, TableInfo)
+        self.threads = threads
+        super().__init__(db_path, info, backend=backend, ram_budget=ram_budget, **backend_options)
 
     def _opened(self) -> None:
         self._views: dict[str, View] = {}
         self._views_lock = threading.Lock()
         self._hashers: dict[str, Any] = {}
+
+    @property
+    def width(self) -> int:
+        """Bytes per row (the published API's name for ``row_bytes``)."""
+        return self.row_bytes
+
+    def fetch_one(self, rowid: int) -> np.ndarray:
+        """Row ``rowid`` as a ``[width]`` uint8 array (`RowIdOutOfRange` when out of range)."""
+        return self.fetch([rowid])[0]
 
     # -- prefetch ----------------------------------------------------------------------------
     def prefetch(self, rowids: Any) -> Ticket:

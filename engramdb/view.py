@@ -40,6 +40,7 @@ from engramdb.layouts.keys import KeyHash, hash_keys, hasher_fingerprint, match_
 from engramdb.layouts.manifest import TableInfo
 from engramdb.layouts.view import VIEW_SUFFIX, check_view_name, source_hash
 from engramdb.read.records import RecordFile, find_entry
+from engramdb.read.slotfile import RawSlotFile, raw_view_manifest
 from engramdb.read.table import LocalTable
 from engramdb.validate import as_rowids, check_bounds, check_output
 
@@ -80,7 +81,24 @@ class View(RecordFile):
     the table's own `Store` on the first miss). ``hasher`` turns keys into row ids for misses
     and tokens into keys (default: the preset recorded at build; a custom hasher must be
     passed). Thread-safe for concurrent reads.
+
+    ``View(path)`` on a published raw slot view (a directory, slot file or manifest with a
+    ``view.manifest.json``: ``grans`` / ``heads`` / ``slot_bytes`` and a keys file of row
+    ids) returns a `RawSlotFile` instead: `read_record`, `read_records`, `slot_keys`,
+    `find` over the slot file in place (`engramdb.read.slotfile`).
     """
+
+    def __new__(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+        if (
+            path is not None
+            and kwargs.get("name") is None
+            and Path(path).suffix != VIEW_SUFFIX
+            and raw_view_manifest(path) is not None
+        ):
+            if any(v is not None for v in kwargs.values()) and set(kwargs) - {"backend"}:
+                raise InvalidArgument(f"a raw slot view takes no options: {sorted(kwargs)}")
+            return RawSlotFile(path)
+        return super().__new__(cls)
 
     def __init__(
         self,

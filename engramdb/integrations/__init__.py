@@ -4,8 +4,10 @@ from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig
 from engramdb.integrations.installers import (
     Undo,
     install_disk_multi_head_embedding,
+    install_real_qwen_ple_embedding,
     install_sglang_ple,
     install_vllm_ple,
+    load_ple_weight_scale,
 )
 
 __all__ = [
@@ -13,6 +15,8 @@ __all__ = [
     "EngramStoreConfig",
     "Undo",
     "install_disk_multi_head_embedding",
+    "install_real_qwen_ple_embedding",
     "install_sglang_ple",
     "install_vllm_ple",
+    "load_ple_weight_scale",
 ]

@@ -7,10 +7,12 @@ model and returns an `Undo` handle that restores exactly what was there.
   (``embed_tokens_per_layer`` by default) becomes a `DiskEmbedding` at the moment the
   constructor assigns it, and ``load_weights`` skips that tensor, so the engine never
   materialises or loads the table in RAM.
-* `install_disk_multi_head_embedding`: ``engram_peft.layer.MultiHeadEmbedding`` is replaced by
-  a disk-backed class with the same constructor ``(primes, embedding_dim_per_head, sparse)``,
-  the same ``offsets`` buffer and the same forward contract (int64 ``[B, L, H]`` local ids
-  → ``[B, L, H, dim]``).
+* `install_disk_multi_head_embedding` / `install_real_qwen_ple_embedding`:
+  ``engram_peft.layer.MultiHeadEmbedding`` is replaced by `DiskBackedMultiHeadEmbedding`
+  (``engramdb.integrations.peft``): the same constructor ``(primes, embedding_dim_per_head,
+  sparse)``, ``offsets`` buffer, ``embedding`` (an ``nn.Embedding`` over a copy-on-write
+  mapping of the table) and forward contract (int64 ``[B, L, H]`` local ids → ``[B, L, H,
+  dim]``). The signatures are the ones engram-peft 1.2.7 calls.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, cast
+
+import numpy as np
 
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument, MissingDependency, ShapeMismatch, TableNotFound
-from engramdb.store import Store
+from engramdb.table_api import RowTable
 
 
 class Undo:
@@ -53,8 +58,8 @@ class Undo:
         return f"<Undo {self.what} {'active' if self.active else 'undone'}>"
 
 
-def _as_store(store: Any, table: str | None = None) -> Store:
-    if isinstance(store, Store):
+def _as_store(store: Any, table: str | None = None) -> RowTable:
+    if isinstance(store, RowTable):
         return store
     if isinstance(store, (Database, str, os.PathLike)):
         db = store if isinstance(store, Database) else Database(store)
@@ -72,14 +77,22 @@ def _install_embedding_attr(
     attr_name: str,
     embedding_dim: int | None,
     engine: str,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
-    from engramdb.torch import DiskEmbedding  # needs the torch extra
-
     if not isinstance(model_cls, type):
         raise InvalidArgument(f"model_cls must be a class, got {type(model_cls).__name__}")
     table = _as_store(store)
-    disk = DiskEmbedding(table, **disk_kwargs)
+    disk: Any
+    if dtype is not None or cache_size is not None:  # the published signature
+        from engramdb.integrations.ple import DiskPleEmbedding
+
+        disk = DiskPleEmbedding(table, None, embedding_dim, dtype, cache_size, **disk_kwargs)
+    else:
+        from engramdb.torch import DiskEmbedding  # needs the torch extra
+
+        disk = DiskEmbedding(table, **disk_kwargs)
     if embedding_dim is not None and disk.embedding_dim != embedding_dim:
         raise ShapeMismatch(
             f"table {table.name!r} decodes to {disk.embedding_dim} values per row, the model "
@@ -139,14 +152,19 @@ def install_vllm_ple(
     store: Any,
     attr_name: str = "embed_tokens_per_layer",
     embedding_dim: int | None = None,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
     """Serve a vLLM model's per-layer embedding (PLE) table from EngramDB.
 
-    ``store``: a `Store`, or a `Database` / path holding one table. Patch before the engine
-    constructs ``model_cls``; call the returned `Undo` to restore the class."""
+    ``store``: a table handle (`Store`, raw row shards, any `RowTable`), or a `Database` /
+    path holding one table. Patch before the engine constructs ``model_cls``; call the
+    returned `Undo` to restore the class. ``dtype`` / ``cache_size`` (the published
+    signature) serve a `DiskPleEmbedding` whose rows are read as ``dtype``; without them a
+    ``DiskEmbedding`` decodes rows by the table's dtype hint."""
     return _install_embedding_attr(
-        model_cls, store, attr_name, embedding_dim, "vllm", **disk_kwargs
+        model_cls, store, attr_name, embedding_dim, "vllm", dtype, cache_size, **disk_kwargs
     )
 
 
@@ -155,80 +173,168 @@ def install_sglang_ple(
     store: Any,
     attr_name: str = "embed_tokens_per_layer",
     embedding_dim: int | None = None,
+    dtype: Any = None,
+    cache_size: int | None = None,
     **disk_kwargs: Any,
 ) -> Undo:
     """Same contract as `install_vllm_ple`, for SGLang model classes."""
     return _install_embedding_attr(
-        model_cls, store, attr_name, embedding_dim, "sglang", **disk_kwargs
+        model_cls, store, attr_name, embedding_dim, "sglang", dtype, cache_size, **disk_kwargs
     )
 
 
+def _engram_peft_layer(module: Any) -> Any:
+    if module is not None:
+        return module
+    try:
+        import engram_peft.layer as layer
+    except ImportError as e:
+        raise MissingDependency(
+            "install_disk_multi_head_embedding needs engram-peft (pip install engram-peft)"
+        ) from e
+    return layer
+
+
 def install_disk_multi_head_embedding(
-    db: Any, table: str | None = None, *, module: Any = None, **disk_kwargs: Any
+    store: Any,
+    table: str | None = None,
+    *,
+    cache_size: int | None = None,
+    dtype: Any = None,
+    scale: float | None = None,
+    output_dtype: Any = None,
+    save_table: bool = False,
+    module: Any = None,
 ) -> Undo:
-    """Replace ``engram_peft.layer.MultiHeadEmbedding`` with a disk-backed class.
+    """Replace ``engram_peft.layer.MultiHeadEmbedding`` with `DiskBackedMultiHeadEmbedding`
+    (``engramdb.integrations.peft``), the call engram-peft 1.2.7 makes for
+    ``EngramConfig(table_source="engramdb:store")``.
 
-    ``db``: a `Database` or path. Each constructed embedding serves the table named
-    ``table`` or, when omitted, the table whose heads equal the constructor's ``primes``
-    (one table per Engram layer). Raises `TableNotFound` at construction when no table
-    matches, `ShapeMismatch` when the row width is not ``embedding_dim_per_head``."""
-    import torch
-    from torch import nn
+    ``store``: a table handle (a `Store`, raw row shards ``engramdb.Store(path, shards,
+    rows_per_shard, width)``, any `RowTable`): every Engram layer reads rows ``[0,
+    sum(primes))`` of it, as engram-peft expects. Or a `Database` / database path: each layer
+    serves the table named ``table`` or, when omitted, the table whose heads equal its
+    ``primes`` (`TableNotFound` when none does). ``dtype`` (torch dtype of the stored values;
+    None: the table's dtype hint), ``scale`` (1.0 or None: none) and ``output_dtype``
+    dequantise; ``cache_size`` is accepted and unused (the page cache and the table's RAM
+    tier cache rows); ``save_table=True`` puts the table bytes in ``state_dict()`` (default:
+    only when written). Installing again stacks (the `Undo` restores the class that was
+    there); engram-peft ignores the handle and never uninstalls."""
+    from engramdb.integrations.peft import DiskBackedMultiHeadEmbedding
 
-    from engramdb.torch import DiskMultiHeadEmbedding
+    layer = _engram_peft_layer(module)
+    handle: RowTable | None = store if isinstance(store, RowTable) else None
+    database = None
+    if handle is None:
+        if not isinstance(store, (Database, str, os.PathLike)):
+            raise InvalidArgument(
+                f"expected a table handle, Database or path, got {type(store).__name__}"
+            )
+        database = store if isinstance(store, Database) else Database(store)
+    options: dict[str, Any] = {
+        "dtype": dtype,
+        "scale": scale,
+        "output_dtype": output_dtype,
+        "cache_size": cache_size,
+        "save_table": save_table,
+    }
 
-    if module is None:
-        try:
-            import engram_peft.layer as module
-        except ImportError as e:
-            raise MissingDependency(
-                "install_disk_multi_head_embedding needs engram-peft (pip install engram-peft)"
-            ) from e
-    database = db if isinstance(db, Database) else Database(db)
-    original = module.MultiHeadEmbedding
-
-    def pick(primes: list[int]) -> Store:
+    def pick(primes: list[int]) -> RowTable:
+        want = [int(p) for p in primes]
+        if handle is not None:
+            if handle.n_heads > 1 and handle.heads.tolist() != want:
+                raise ShapeMismatch(
+                    f"table {handle.name!r} heads {handle.heads.tolist()[:4]}... differ from "
+                    f"the primes {want[:4]}..."
+                )
+            return handle
+        assert database is not None
         if table is not None:
-            return database[table]
+            s = database[table]
+            if s.heads.tolist() != want:
+                raise ShapeMismatch(
+                    f"table {s.name!r} heads {s.heads.tolist()[:4]}... differ from the primes"
+                )
+            return s
         for name in database.tables:
             s = database[name]
-            if s.heads.tolist() == [int(p) for p in primes]:
+            if s.heads.tolist() == want:
                 return s
         raise TableNotFound(
-            f"no table in {str(database.path)!r} has heads equal to the primes "
-            f"{list(primes)[:4]}..."
+            f"no table in {str(database.path)!r} has heads equal to the primes {want[:4]}..."
         )
 
-    class DiskBackedMultiHeadEmbedding(nn.Module):
-        """Disk-backed stand-in for engram-peft's MultiHeadEmbedding."""
+    original = layer.MultiHeadEmbedding
 
-        offsets: torch.Tensor
-
+    class DiskMultiHeadEmbeddingForPeft(DiskBackedMultiHeadEmbedding):
         def __init__(
-            self, primes: list[int], embedding_dim_per_head: int, sparse: bool = True, **kwargs: Any
+            self, primes: list[int], embedding_dim_per_head: int, sparse: bool = True, **kw: Any
         ):
-            super().__init__(**kwargs)
-            store = pick(primes)
-            if store.heads.tolist() != [int(p) for p in primes]:
-                raise ShapeMismatch(
-                    f"table {store.name!r} heads {store.heads.tolist()[:4]}... "
-                    "differ from the primes"
-                )
-            self.lookup = DiskMultiHeadEmbedding(store, **disk_kwargs)
-            if self.lookup.codec.dim != embedding_dim_per_head:
-                raise ShapeMismatch(
-                    f"table {store.name!r} rows decode to {self.lookup.codec.dim} values, "
-                    f"embedding_dim_per_head is {embedding_dim_per_head}"
-                )
-            self.sparse = sparse
-            self.register_buffer("offsets", self.lookup.offsets.clone())
+            super().__init__(
+                primes, embedding_dim_per_head, sparse, store=pick(primes), **options, **kw
+            )
 
-        def forward(self, hash_indices: torch.Tensor) -> torch.Tensor:
-            return self.lookup(hash_indices)
-
-    module.MultiHeadEmbedding = DiskBackedMultiHeadEmbedding
+    DiskMultiHeadEmbeddingForPeft.__name__ = "DiskBackedMultiHeadEmbedding"
+    DiskMultiHeadEmbeddingForPeft.__qualname__ = "DiskBackedMultiHeadEmbedding"
+    layer.MultiHeadEmbedding = DiskMultiHeadEmbeddingForPeft
 
     def restore() -> None:
-        module.MultiHeadEmbedding = original
+        layer.MultiHeadEmbedding = original
 
-    return Undo(restore, f"{module.__name__}.MultiHeadEmbedding")
+    return Undo(restore, f"{layer.__name__}.MultiHeadEmbedding")
+
+
+#: The published default of the FP8 Qwen PLE table's weight scale is not assumed here: pass
+#: ``scale=`` or ``model_dir=`` (read from the checkpoint).
+_PLE_SCALE_SUFFIX = "embed_tokens_per_layer.weight_scale"
+
+
+def load_ple_weight_scale(model_dir: str | os.PathLike[str]) -> float:
+    """The FP8 weight scale of a Qwen checkpoint's per-layer embedding: the one-element tensor
+    named ``*embed_tokens_per_layer.weight_scale`` in ``model_dir``'s ``*.safetensors``.
+    Raises `InvalidArgument` when no file holds it."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="np") as st:
+            for key in st.keys():
+                if key.endswith(_PLE_SCALE_SUFFIX):
+                    value = np.asarray(st.get_tensor(key), dtype=np.float64).reshape(-1)
+                    if value.size != 1:
+                        raise InvalidArgument(
+                            f"{key} in {f.name} has {value.size} values, expected one scale"
+                        )
+                    return float(value[0])
+    raise InvalidArgument(
+        f"no tensor ending in {_PLE_SCALE_SUFFIX!r} in the {len(files)} safetensors files of "
+        f"{str(root)!r}"
+    )
+
+
+def install_real_qwen_ple_embedding(
+    store: Any,
+    scale: float | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+    cache_size: int | None = None,
+    *,
+    module: Any = None,
+) -> Undo:
+    """`install_disk_multi_head_embedding` for the real Qwen PLE table: FP8 E4M3 rows,
+    dequantised to float32 times ``scale`` (or the scale read from ``model_dir``'s
+    checkpoint, `load_ple_weight_scale`). One of the two is required (`InvalidArgument`)."""
+    import torch
+
+    if scale is None:
+        if model_dir is None:
+            raise InvalidArgument("install_real_qwen_ple_embedding needs scale= or model_dir=")
+        scale = load_ple_weight_scale(model_dir)
+    return install_disk_multi_head_embedding(
+        store,
+        cache_size=cache_size,
+        dtype=torch.float8_e4m3fn,
+        scale=float(scale),
+        output_dtype=torch.float32,
+        module=module,
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, kernel_stats
 from engramdb.keygen.kinds import DeepSeekHasher, GemmaHasher, QwenHasher
 from engramdb.keygen.presets import KINDS, PRESETS, as_hasher, hasher, preset
+from engramdb.keygen.seq import PLE_QWEN_V1, rowids_for_seq, rowids_for_seq_with_history
 from engramdb.keygen.stream import KeyStream, Step, StepSource
 from engramdb.keygen.tokenmap import (
     TokenMap,
@@ -31,6 +32,7 @@ __all__ = [
     "Hasher",
     "KeyStream",
     "LayerTables",
+    "PLE_QWEN_V1",
     "QwenHasher",
     "Step",
     "StepSource",
@@ -43,4 +45,6 @@ __all__ = [
     "kernel_stats",
     "load_token_map",
     "preset",
+    "rowids_for_seq",
+    "rowids_for_seq_with_history",
 ]
