@@ -50,17 +50,27 @@ BACKENDS = ("auto", "mmap", "preadv", "io_uring")
 
 
 def choose_backend(
-    resident_fraction: float, *, mapped: bool, io_uring: bool, direct: bool = True
+    resident_fraction: float,
+    *,
+    mapped: bool,
+    io_uring: bool,
+    direct: bool = True,
+    fits: bool = False,
 ) -> str:
     """The auto rule as a pure function: the backend for a batch whose sampled pages are
-    ``resident_fraction`` resident, given whether a mapping exists, io_uring works and
-    O_DIRECT reads are allowed. Returns ``"mmap"``, ``"io_uring_direct"``, ``"io_uring"``
-    or ``"preadv"``."""
+    ``resident_fraction`` resident. ``mapped``: a mapping exists; ``io_uring``: io_uring
+    works here; ``direct``: O_DIRECT is allowed and saves device bytes (`direct_pays`);
+    ``fits``: the table fits the page-cache budget and the caller did not ask for O_DIRECT.
+    Returns ``"mmap"``, ``"io_uring_direct"``, ``"io_uring"`` or ``"preadv"``.
+
+    A table that fits is read through the page cache (buffered) so reading it warms it and
+    the rule moves on to the mapping; O_DIRECT (which never warms anything) is kept for
+    tables that cannot fit. The full table of inputs -> choice is in ``docs/io.md``."""
     if mapped and resident_fraction >= 1.0:
         return "mmap"
     if not io_uring:
         return "preadv"
-    if direct and mapped and resident_fraction <= 0.0:
+    if direct and not fits and mapped and resident_fraction <= 0.0:
         return "io_uring_direct"
     return "io_uring"
 
@@ -161,6 +171,9 @@ class AutoBackend(Backend):
         self.recheck_s = float(recheck_s)
         self.choices: dict[str, int] = {}
         self.last_choice = ""
+        #: The table fits the page-cache budget (set by the table's owner): cold reads stay
+        #: buffered so they warm the page cache.
+        self.fits = False
         self._lock = threading.Lock()
         self._state: Backend = self.cold  # the backend serving batches until the next check
         self._checked = -float("inf")  # monotonic time of the last cold-state sample
@@ -186,7 +199,11 @@ class AutoBackend(Backend):
     def _pick(self, fraction: float, offsets: ArrayLike, lengths: ArrayLike | None) -> Backend:
         direct = self.direct_cold is not None and (lengths is None or direct_pays(offsets, lengths))
         name = choose_backend(
-            fraction, mapped=self.mapped is not None, io_uring=self.io_uring, direct=direct
+            fraction,
+            mapped=self.mapped is not None,
+            io_uring=self.io_uring,
+            direct=direct,
+            fits=self.fits,
         )
         if name == "mmap" and self.mapped is not None:
             return self.mapped

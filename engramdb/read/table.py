@@ -26,18 +26,20 @@ from typing import Any
 import numpy as np
 
 from engramdb.disk.files import open_shards
-from engramdb.errors import StoreClosed
+from engramdb.errors import InvalidArgument, StoreClosed
 from engramdb.io import Backend, make_backend
-from engramdb.io.gather import take_rows
+from engramdb.io.gather import PARALLEL_MIN_BYTES, gather_threads, take_rows
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
 from engramdb.io.select import AutoBackend
+from engramdb.io.tiers import MappedTiers, parse_budget
 from engramdb.layouts.geometry import TableGeometry
 from engramdb.layouts.manifest import TableInfo
-from engramdb.read.cache import RowCache
+from engramdb.read.cache import BufferPool, RowCache
 from engramdb.read.plan import assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
+from engramdb.validate import check_bounds
 
 __all__ = ["LocalTable"]
 
@@ -48,8 +50,49 @@ _TIER_SAMPLE = 128
 _TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
 
 
-def _take_serial(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-    np.take(table, ids, axis=0, out=out, mode="clip")
+_SMALL = 32  # ids checked in plain Python below this (cheaper than two numpy reductions)
+#: Default rate of the background warm a first cold read starts, bytes per second.
+WARM_RATE = "512M"
+
+
+_I64 = np.dtype(np.int64)
+_U8 = np.dtype(np.uint8)
+
+
+class _Split:
+    """Whether a large mapped gather is split across the gather pool, decided from observed
+    timings, not the core count: gathers run on one thread, and every ``every``-th large
+    batch is tried split; the faster of the two per-row averages (moving averages over recent
+    batches) serves, and the loser is retried less and less often (``every`` doubles up to
+    1024 each time it loses; it resets when the winner changes)."""
+
+    def __init__(self) -> None:
+        self.allowed = gather_threads() > 1
+        self.ns = {False: 0.0, True: 0.0}  # moving average ns/row: serial, split
+        self.split = False
+        self.every = 16
+        self.count = 0
+        self.tried = {False: 0, True: 0}
+
+    def pick(self) -> bool:
+        if not self.allowed:
+            return False
+        self.count += 1
+        if self.count % self.every == 0:
+            return not self.split  # explore the other way
+        return self.split
+
+    def report(self, split: bool, rows: int, seconds: float) -> None:
+        ns = seconds * 1e9 / max(1, rows)
+        old = self.ns[split]
+        self.ns[split] = ns if old == 0.0 else 0.8 * old + 0.2 * ns
+        self.tried[split] += 1
+        other = self.ns[not split]
+        if split != self.split and other > 0.0:
+            if self.ns[split] < 0.9 * other:
+                self.split, self.every = split, 16  # the explored way won clearly
+            else:
+                self.every = min(1024, self.every * 2)
 
 
 class LocalTable(RowTable):
@@ -67,9 +110,22 @@ class LocalTable(RowTable):
         *,
         backend: str = "auto",
         ram_budget: int | str | None = None,
+        page_cache_budget: int | str | None = None,
+        rss_budget: int | str | None = None,
+        keep_warm: bool = False,
+        warm_rate: int | str = WARM_RATE,
+        background_warm: bool = True,
         **backend_options: Any,
     ):
         RowTable.__init__(self, TableSchema.of(info))
+        pc_budget = parse_budget(page_cache_budget)
+        rss = parse_budget(rss_budget, what="rss_budget")
+        rate = parse_budget(warm_rate, what="warm_rate")
+        if rate is None or rate <= 0:
+            raise InvalidArgument(
+                f"warm_rate must be a positive size per second, got {warm_rate!r}"
+            )
+        direct_forced = backend == "auto" and backend_options.get("direct") is True
         self._db = Path(db_path)
         self.info = info
         self.geometry: TableGeometry = info.geometry
@@ -90,7 +146,20 @@ class LocalTable(RowTable):
             self._backend: Backend | None = make_backend(
                 backend, regions=regions, **backend_options
             )
+            self._tiers: MappedTiers | None = MappedTiers(
+                self._mapping.address,
+                self._mapping.length,
+                [(fd, sh.bytes) for fd, sh in zip(self._fds, info.shards)],
+                budget=pc_budget,
+                rate=float(rate),
+                rss_budget=rss,
+                keep_warm=keep_warm,
+                background=background_warm and backend == "auto" and not direct_forced,
+            )
         except BaseException:
+            b0 = getattr(self, "_backend", None)
+            if b0 is not None:
+                b0.close()
             if self._mapping is not None:
                 self._mapping.close()
             for fd in self._fds:
@@ -99,6 +168,11 @@ class LocalTable(RowTable):
         self.backend_name = backend
         b = self._backend
         self._auto: AutoBackend | None = b if isinstance(b, AutoBackend) else None
+        if self._auto is not None:
+            # A table that fits the page-cache budget is read buffered so reading warms it.
+            self._auto.fits = self._tiers.fits and not direct_forced
+        self._split = _Split()
+        self._pool = BufferPool()
         self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
         self._fd_array = np.asarray(self._fds, dtype=np.int32)
         self._scratch = threading.local()
@@ -203,12 +277,11 @@ class LocalTable(RowTable):
         io_uring/preadv for cold data); syscall paths dedupe and sort the reads. ``serial``
         keeps a large mapped gather on this thread (callers that run their own workers);
         ``chosen`` is the backend's pick when the caller already asked for it."""
-        take = _take_serial if serial else take_rows
         table = self.array()
         backend = self._backend
         assert backend is not None
         if not backend.wants_plan and backend.name == "mmap":
-            take(table, flat, out2d)
+            self._take_mapped(table, flat, out2d, serial=serial)
             return
         n = flat.size
         if chosen is None and n < self._unsampled_rows and self.mapped_state():
@@ -217,21 +290,48 @@ class LocalTable(RowTable):
             chosen = backend.choose(self._fd_array[:1], _NO_OFFSETS, batch_rows=n)
             if not chosen.wants_plan:  # still mapped (another thread may have moved the state)
                 t0 = time.perf_counter()
-                take(table, flat, out2d)
+                np.take(table, flat, axis=0, out=out2d, mode="clip")
                 backend.feedback(chosen, n, time.perf_counter() - t0)
                 return
         chosen = self._choose(flat) if chosen is None else chosen
-        t0 = time.perf_counter()
         if not chosen.wants_plan:
-            take(table, flat, out2d)
-        else:
-            plan = plan_reads(flat, self.geometry, validated=True)
-            scratch = self.scratch("reads", plan.scratch_bytes)
-            chosen.read(
-                self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
-            )
-            assemble(plan, scratch, out2d)
+            self._take_mapped(table, flat, out2d, serial=serial, chosen=chosen)
+            return
+        tiers = self._tiers
+        if tiers is not None and tiers.fits:
+            tiers.on_cold_read()  # a cold read of a table that fits: the background warm
+        t0 = time.perf_counter()
+        plan = plan_reads(flat, self.geometry, validated=True)
+        scratch = self.scratch("reads", plan.scratch_bytes)
+        chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
+        assemble(plan, scratch, out2d)
         backend.feedback(chosen, n, time.perf_counter() - t0)
+
+    def _take_mapped(
+        self,
+        table: np.ndarray,
+        flat: np.ndarray,
+        out2d: np.ndarray,
+        *,
+        serial: bool = False,
+        chosen: Backend | None = None,
+    ) -> None:
+        """One gather from the mapping; a large one is split across the gather pool only
+        while observed timings say splitting pays (`_Split`)."""
+        n = flat.size
+        sp = self._split
+        split = not serial and n * self.row_bytes >= PARALLEL_MIN_BYTES and sp.pick()
+        t0 = time.perf_counter()
+        if split:
+            take_rows(table, flat, out2d)
+        else:
+            np.take(table, flat, axis=0, out=out2d, mode="clip")
+        dt = time.perf_counter() - t0
+        if not serial and n * self.row_bytes >= PARALLEL_MIN_BYTES:
+            sp.report(split, n, dt)
+        backend = self._backend
+        if chosen is not None and backend is not None:
+            backend.feedback(chosen, n, dt)
 
     def _gather_tiered(self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray) -> None:
         """A large batch through the RAM tier, or past it while the table is resident.
@@ -319,11 +419,83 @@ class LocalTable(RowTable):
     def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Gather validated ids known to be in the page cache (a finished page-cache
         prefetch) straight from the mapping."""
-        take_rows(self.array(), flat, out2d)
+        self._take_mapped(self.array(), flat, out2d)
         c = self._counters
         c["fetch_calls"] += 1
         c["rows_fetched"] += flat.size
         c["prefetched_gathers"] += 1
+
+    # -- the read surface, with the mapped fast path -----------------------------------------
+    def _fast(self) -> bool:
+        """Whether a call may gather straight from the mapping: served from it (the read
+        rule's mapped state, or the mmap backend), no RAM tier, no prefetcher. No lock."""
+        return self._cache is None and self._prefetcher is None and self.mapped_state()
+
+    def fetch_into(self, rowids: Any, out: np.ndarray) -> np.ndarray:
+        """See `RowTable.fetch_into`. While the table is served from the mapping, a batch
+        of int64 ids below the rule's sampling size is one bounds check (plain Python for a
+        few ids) and one ``np.take``: no lock, no backend call."""
+        if (
+            type(rowids) is np.ndarray
+            and type(out) is np.ndarray
+            and rowids.dtype is _I64
+            and out.dtype is _U8
+            and rowids.ndim == 1
+            and 0 < (n := rowids.shape[0]) < self._unsampled_rows
+            and out.flags.carray
+            and out.flags.writeable
+            and out.shape == (n, self.row_bytes)
+            and self._fast()
+        ):
+            if n <= _SMALL:
+                ids = rowids.tolist()
+                if min(ids) < 0 or max(ids) >= self.n_rows:
+                    check_bounds(rowids, self.n_rows)
+            else:
+                check_bounds(rowids, self.n_rows)
+            table = self._table
+            if table is None:
+                raise StoreClosed(f"table {self.name!r} is closed")
+            pc = time.perf_counter
+            t0 = pc()
+            np.take(table, rowids, axis=0, out=out, mode="clip")
+            dt = pc() - t0
+            a = self._auto
+            if a is not None and dt * 1e6 > a.slow_us * n and a.mapped is not None:
+                a.feedback(a.mapped, n, dt)  # it faulted: the rule checks harder next time
+            c = self._counters
+            c["fetch_calls"] += 1
+            c["rows_fetched"] += n
+            c["small_gathers"] += 1
+            return out
+        return RowTable.fetch_into(self, rowids, out)
+
+    def fetch(self, rowids: Any) -> np.ndarray:
+        """See `RowTable.fetch`; a large result comes from a pool of reused buffers (a
+        fresh large allocation faults every page), never one the caller still holds."""
+        self.check_open()
+        ids = rowids if type(rowids) is np.ndarray and rowids.dtype is _I64 else None
+        if ids is None:
+            return RowTable.fetch(self, rowids)
+        flat = ids.reshape(-1)
+        check_bounds(flat, self.n_rows, shape=ids.shape)
+        out = self._pool.empty(ids.shape + (self.row_bytes,), flat.size * self.row_bytes)
+        if flat.size:
+            self.gather(flat, out.reshape(-1, self.row_bytes))
+        return out
+
+    @property
+    def tiers(self) -> MappedTiers:
+        """The table's memory policy (page-cache budget, background warm, RSS budget,
+        ``mlock``, keep-warm); see `engramdb.io.tiers.MappedTiers`."""
+        t = self._tiers
+        if t is None:
+            raise StoreClosed(f"table {self.name!r} is closed")
+        return t
+
+    def pool_bytes(self) -> int:
+        """Bytes held by this thread's pool of reused result buffers."""
+        return self._pool.nbytes()
 
     # -- prefetch ----------------------------------------------------------------------------
     @property
@@ -375,6 +547,9 @@ class LocalTable(RowTable):
             self._prefetcher.close()
         self._table = None
         self._auto = None
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
