@@ -59,7 +59,7 @@ _I64 = np.dtype(np.int64)
 _U8 = np.dtype(np.uint8)
 
 
-class _Split:
+class SplitDecision:
     """Whether a large mapped gather is split across the gather pool, decided from observed
     timings, not the core count: gathers run on one thread, and every ``every``-th large
     batch is tried split; the faster of the two per-row averages (moving averages over recent
@@ -171,9 +171,11 @@ class LocalTable(RowTable):
         if self._auto is not None:
             # A table that fits the page-cache budget is read buffered so reading warms it.
             self._auto.fits = self._tiers.fits and not direct_forced
-        self._split = _Split()
+        self._split = SplitDecision()
         self._pool = BufferPool()
         self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
+        # fetch_into's fast path: batches the rule would not sample (auto), or small ones.
+        self._fast_rows = self._unsampled_rows or 256
         self._fd_array = np.asarray(self._fds, dtype=np.int32)
         self._scratch = threading.local()
         self._counters = {
@@ -317,7 +319,7 @@ class LocalTable(RowTable):
         chosen: Backend | None = None,
     ) -> None:
         """One gather from the mapping; a large one is split across the gather pool only
-        while observed timings say splitting pays (`_Split`)."""
+        while observed timings say splitting pays (`SplitDecision`)."""
         n = flat.size
         sp = self._split
         split = not serial and n * self.row_bytes >= PARALLEL_MIN_BYTES and sp.pick()
@@ -441,7 +443,7 @@ class LocalTable(RowTable):
             and rowids.dtype is _I64
             and out.dtype is _U8
             and rowids.ndim == 1
-            and 0 < (n := rowids.shape[0]) < self._unsampled_rows
+            and 0 < (n := rowids.shape[0]) < self._fast_rows
             and out.flags.carray
             and out.flags.writeable
             and out.shape == (n, self.row_bytes)
