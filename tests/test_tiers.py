@@ -359,3 +359,33 @@ def test_split_decision_follows_observed_timings() -> None:
 
 def test_os_is_linux() -> None:
     assert os.path.exists("/proc/self/smaps")
+
+
+# -- the CLI ------------------------------------------------------------------------------
+def _cli(*args: object) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_build_warm_info_memory_and_warm_hold(tmp_path: Path) -> None:
+    src = tmp_path / "rows.npy"
+    np.save(src, _rows(20_000))
+    db = tmp_path / "db"
+    code, out = _cli("build", db, src, "-t", "t", "-r", ROW, "--warm", "-q")
+    assert code == 0, out
+    assert "warmed 't'" in out and "-> 100%" in out
+    code, out = _cli("info", db, "--memory")
+    assert code == 0 and "100.0%" in out and "fits" in out, out
+    code, out = _cli("info", db, "--memory", "--page-cache-budget", "1K", "--json")
+    assert code == 0, out
+    assert '"page_cache_budget": 1024' in out
+    code, out = _cli("warm", db, "--watch", "--seconds", "0.1", "-q")
+    assert code == 0 and "held 't'" in out, out
+    code, out = _cli("warm", db, "--lock-budget", "1M", "-q")
+    assert code != 0 and "--lock-budget applies to --lock" in out
+    code, out = _cli("warm", db, "--lock", "--lock-budget", "64K", "--seconds", "0", "-q")
+    assert code == 0 and ("locked 0.00 GB" in out or "RLIMIT_MEMLOCK" in out), out

@@ -369,7 +369,9 @@ class MappedTiers:
         return page_cache_budget(self.budget_option)
 
     def resident_bytes(self) -> int:
-        return range_residency(self.base, self.length) * PAGE
+        """Bytes of the table in the page cache (``mincore``; the last page counted up to
+        the table's end)."""
+        return min(self.length, range_residency(self.base, self.length) * PAGE)
 
     def _fits(self) -> bool:
         missing = max(0, self.length - self.resident_bytes())
