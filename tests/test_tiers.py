@@ -16,6 +16,7 @@ import pytest
 import engramdb
 from engramdb.errors import InvalidArgument, MemoryLockRefused, RowIdOutOfRange
 from engramdb.io import IoUringBackend, choose_backend
+from engramdb.io.gather import SplitDecision
 from engramdb.io.tiers import (
     BUDGET_ENV,
     BackgroundWarm,
@@ -25,7 +26,6 @@ from engramdb.io.tiers import (
     process_rss,
     safety_margin,
 )
-from engramdb.read.table import SplitDecision
 from engramdb.testing.pages import drop_mapped_pages, evict
 
 ROW = 160

@@ -1,14 +1,18 @@
-"""Warm row gathers from a mapped table, split across cores.
+"""Warm row gathers from a mapped table, split across cores when that measurably pays.
 
 ``np.take`` releases the GIL while it copies, so a large batch split over a small
-persistent thread pool scales with cores (measured here: 21 -> 40 M rows/s for 160 B rows
-on 2 cores). Small batches stay on the calling thread: handing work to a pool costs ~20 us.
+persistent thread pool can scale with cores (21 -> 40 M rows/s for 160 B rows on 2 idle
+cores) — or lose, on a busy shared machine (0.74-0.86x single-thread ``np.take`` in the
+issue-14 measurements). `SplitDecision` decides from observed timings of the caller's own
+batches, not from the core count. Small batches stay on the calling thread: handing work to
+a pool costs ~20 us.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,6 +43,57 @@ def gather_threads() -> int:
                 n = os.cpu_count() or 1
             _threads = max(1, min(8, n))
     return _threads
+
+
+class SplitDecision:
+    """Whether a large mapped gather is split across the gather pool, decided from observed
+    timings, not the core count: gathers run on one thread, and every ``every``-th large
+    batch is tried split; the faster of the two per-row averages (moving averages over recent
+    batches) serves, and the loser is retried less and less often (``every`` doubles up to
+    1024 each time it loses; it resets when the winner changes)."""
+
+    def __init__(self) -> None:
+        self.allowed = gather_threads() > 1
+        self.ns = {False: 0.0, True: 0.0}  # moving average ns/row: serial, split
+        self.split = False
+        self.every = 16
+        self.count = 0
+        self.tried = {False: 0, True: 0}
+
+    def pick(self) -> bool:
+        if not self.allowed:
+            return False
+        self.count += 1
+        if self.count % self.every == 0:
+            return not self.split  # explore the other way
+        return self.split
+
+    def report(self, split: bool, rows: int, seconds: float) -> None:
+        ns = seconds * 1e9 / max(1, rows)
+        old = self.ns[split]
+        self.ns[split] = ns if old == 0.0 else 0.8 * old + 0.2 * ns
+        self.tried[split] += 1
+        other = self.ns[not split]
+        if split != self.split and other > 0.0:
+            if self.ns[split] < 0.9 * other:
+                self.split, self.every = split, 16  # the explored way won clearly
+            else:
+                self.every = min(1024, self.every * 2)
+
+    def take(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+        """`take_rows` split or on this thread as decided, timed and reported (batches
+        under `PARALLEL_MIN_BYTES` always on this thread, not counted)."""
+        n = ids.size
+        if n * table.shape[1] < PARALLEL_MIN_BYTES:
+            np.take(table, ids, axis=0, out=out, mode="clip")
+            return
+        split = self.pick()
+        t0 = time.perf_counter()
+        if split:
+            take_rows(table, ids, out)
+        else:
+            np.take(table, ids, axis=0, out=out, mode="clip")
+        self.report(split, n, time.perf_counter() - t0)
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:

@@ -28,7 +28,7 @@ import numpy as np
 from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, StoreClosed
 from engramdb.io import Backend, make_backend
-from engramdb.io.gather import PARALLEL_MIN_BYTES, gather_threads, take_rows
+from engramdb.io.gather import SplitDecision
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
 from engramdb.io.select import AutoBackend
 from engramdb.io.tiers import MappedTiers, parse_budget
@@ -57,42 +57,6 @@ WARM_RATE = "512M"
 
 _I64 = np.dtype(np.int64)
 _U8 = np.dtype(np.uint8)
-
-
-class SplitDecision:
-    """Whether a large mapped gather is split across the gather pool, decided from observed
-    timings, not the core count: gathers run on one thread, and every ``every``-th large
-    batch is tried split; the faster of the two per-row averages (moving averages over recent
-    batches) serves, and the loser is retried less and less often (``every`` doubles up to
-    1024 each time it loses; it resets when the winner changes)."""
-
-    def __init__(self) -> None:
-        self.allowed = gather_threads() > 1
-        self.ns = {False: 0.0, True: 0.0}  # moving average ns/row: serial, split
-        self.split = False
-        self.every = 16
-        self.count = 0
-        self.tried = {False: 0, True: 0}
-
-    def pick(self) -> bool:
-        if not self.allowed:
-            return False
-        self.count += 1
-        if self.count % self.every == 0:
-            return not self.split  # explore the other way
-        return self.split
-
-    def report(self, split: bool, rows: int, seconds: float) -> None:
-        ns = seconds * 1e9 / max(1, rows)
-        old = self.ns[split]
-        self.ns[split] = ns if old == 0.0 else 0.8 * old + 0.2 * ns
-        self.tried[split] += 1
-        other = self.ns[not split]
-        if split != self.split and other > 0.0:
-            if self.ns[split] < 0.9 * other:
-                self.split, self.every = split, 16  # the explored way won clearly
-            else:
-                self.every = min(1024, self.every * 2)
 
 
 class LocalTable(RowTable):
@@ -320,20 +284,17 @@ class LocalTable(RowTable):
     ) -> None:
         """One gather from the mapping; a large one is split across the gather pool only
         while observed timings say splitting pays (`SplitDecision`)."""
-        n = flat.size
-        sp = self._split
-        split = not serial and n * self.row_bytes >= PARALLEL_MIN_BYTES and sp.pick()
-        t0 = time.perf_counter()
-        if split:
-            take_rows(table, flat, out2d)
-        else:
+        if serial:
+            t0 = time.perf_counter()
             np.take(table, flat, axis=0, out=out2d, mode="clip")
-        dt = time.perf_counter() - t0
-        if not serial and n * self.row_bytes >= PARALLEL_MIN_BYTES:
-            sp.report(split, n, dt)
+            dt = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            self._split.take(table, flat, out2d)
+            dt = time.perf_counter() - t0
         backend = self._backend
         if chosen is not None and backend is not None:
-            backend.feedback(chosen, n, dt)
+            backend.feedback(chosen, flat.size, dt)
 
     def _gather_tiered(self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray) -> None:
         """A large batch through the RAM tier, or past it while the table is resident.
