@@ -153,6 +153,13 @@ class Store(LocalTable):
                 cold = getattr(b, "cold", None)
                 if cold is not None:
                     out["io"] = cold.stats.as_dict()
+        sp = self.split_decision
+        out["gather_split"] = {
+            "split": sp.split,
+            "serial_ns_per_row": sp.ns[False],
+            "split_ns_per_row": sp.ns[True],
+            "tried": {"serial": sp.tried[False], "split": sp.tried[True]},
+        }
         cache = self.cache
         if cache is not None:
             out["cache"] = cache.stats.as_dict()

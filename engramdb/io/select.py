@@ -178,6 +178,9 @@ class AutoBackend(Backend):
         self._state: Backend = self.cold  # the backend serving batches until the next check
         self._checked = -float("inf")  # monotonic time of the last cold-state sample
         self._suspect = False  # the last mmap batch was slow: check harder next time
+        #: In the mapped state and not suspect: a caller may gather from the mapping without
+        #: asking (one attribute read; kept in step by `choose` and `feedback`).
+        self.mapped_ok = False
 
     @property
     def io_uring(self) -> bool:
@@ -278,6 +281,7 @@ class AutoBackend(Backend):
                     frac = self.resident_fraction(fds, offsets)
                     self._state = self._pick(frac, offsets, lengths)
             chosen = self._state
+        self.mapped_ok = mapped is not None and chosen is mapped and not self._suspect
         label = _label(chosen)
         with self._lock:
             self.choices[label] = self.choices.get(label, 0) + 1
@@ -289,6 +293,13 @@ class AutoBackend(Backend):
         faults, or a busy machine) the next batch checks a full sample."""
         if chosen is self.mapped and requests and seconds * 1e6 > self.slow_us * requests:
             self._suspect = True
+            self.mapped_ok = False
+
+    def fault_feedback(self, requests: int, seconds: float) -> None:
+        """`feedback` for a mapped gather the caller ran without `choose` (a table's fast
+        path): a slow one makes the next batch check a full sample."""
+        if self.mapped is not None:
+            self.feedback(self.mapped, requests, seconds)
 
     def _read(self, batch: Batch, dest: np.ndarray) -> None:
         chosen = self.choose(batch.fds, batch.offsets, batch.lengths)
