@@ -295,6 +295,13 @@ class AutoBackend(Backend):
             self._suspect = True
             self.mapped_ok = False
 
+    def count_mapped(self) -> None:
+        """Count a batch a caller served from the mapping after its own residency check
+        (no lock: under concurrent callers a count may be lost, never a read)."""
+        ch = self.choices
+        ch["mmap"] = ch.get("mmap", 0) + 1
+        self.last_choice = "mmap"
+
     def fault_feedback(self, requests: int, seconds: float) -> None:
         """`feedback` for a mapped gather the caller ran without `choose` (a table's fast
         path): a slow one makes the next batch check a full sample."""
