@@ -46,11 +46,18 @@ def gather_threads() -> int:
 
 
 class SplitDecision:
-    """Whether a large mapped gather is split across the gather pool, decided from observed
-    timings, not the core count: gathers run on one thread, and every ``every``-th large
-    batch is tried split; the faster of the two per-row averages (moving averages over recent
-    batches) serves, and the loser is retried less and less often (``every`` doubles up to
-    1024 each time it loses; it resets when the winner changes)."""
+    """Whether a large gather is split across the gather pool, decided from observed
+    timings, not the core count.
+
+    Gathers run on one thread; every ``every``-th large batch is run the other way. Each way
+    keeps a moving average of its ns per row. The table switches only when the other way
+    has at least `MIN_SAMPLES` timings and its average is below `WIN` x the current one's
+    (a single lucky batch on a busy machine does not flip it); each exploration that does
+    not win doubles ``every`` (up to 1024), a switch resets it to 16. Without a second core
+    (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
+
+    MIN_SAMPLES = 4
+    WIN = 0.85
 
     def __init__(self) -> None:
         self.allowed = gather_threads() > 1
@@ -61,6 +68,7 @@ class SplitDecision:
         self.tried = {False: 0, True: 0}
 
     def pick(self) -> bool:
+        """The way to run the next large batch."""
         if not self.allowed:
             return False
         self.count += 1
@@ -69,16 +77,18 @@ class SplitDecision:
         return self.split
 
     def report(self, split: bool, rows: int, seconds: float) -> None:
+        """The time one large batch took run ``split`` (or not)."""
         ns = seconds * 1e9 / max(1, rows)
         old = self.ns[split]
-        self.ns[split] = ns if old == 0.0 else 0.8 * old + 0.2 * ns
+        self.ns[split] = ns if old == 0.0 else 0.75 * old + 0.25 * ns
         self.tried[split] += 1
-        other = self.ns[not split]
-        if split != self.split and other > 0.0:
-            if self.ns[split] < 0.9 * other:
-                self.split, self.every = split, 16  # the explored way won clearly
-            else:
-                self.every = min(1024, self.every * 2)
+        if split == self.split:
+            return
+        cur = self.ns[self.split]
+        if cur > 0.0 and self.tried[split] >= self.MIN_SAMPLES and self.ns[split] < self.WIN * cur:
+            self.split, self.every = split, 16  # the explored way won clearly
+        elif self.tried[split] >= self.MIN_SAMPLES:
+            self.every = min(1024, self.every * 2)
 
     def take(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
         """`take_rows` split or on this thread as decided, timed and reported (batches
