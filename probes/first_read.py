@@ -14,7 +14,12 @@ the files evicted before it, residency checked):
   * ``post-warm``: the same store after `engramdb warm` (populate): the rate to converge to;
   * ``budget 50%``: `open(page_cache_budget=nbytes / 2)`: the table does not fit, so cold
     reads stay O_DIRECT and no background warm starts; per second rows/s and the page-cache
-    bytes it added.
+    bytes it added;
+  * ``rss25``: `open(rss_budget=nbytes / 4)` on the resident table, populated: per second the
+    table's mapped RSS (smaps) and VmRSS while the watcher trims;
+  * ``kw``: `open(keep_warm=True)`, populated, then the pages are lost (the mapping's pages
+    dropped and the files evicted, what a checkpoint load's pressure does): seconds until
+    the rate is back at >= 0.9x, against the time a warm from cold takes.
 
 Batches: 16,384 random ids into a reused buffer (`fetch_into`). Bytes are checked against
 the row formula before anything is timed. Prints the convergence time (first second at
@@ -37,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
-from engramdb.testing.pages import evict, file_residency  # noqa: E402
+from engramdb.io.tiers import process_rss  # noqa: E402
+from engramdb.testing.pages import drop_mapped_pages, evict, file_residency  # noqa: E402
 
 ROW = 160
 BATCH = 16_384
@@ -76,7 +82,12 @@ def _delta(now: dict[str, int], seen: dict[str, int]) -> dict[str, int]:
 
 
 def run_phase(
-    name: str, store: Any, seconds: float, rng: np.random.Generator, echo: bool = True
+    name: str,
+    store: Any,
+    seconds: float,
+    rng: np.random.Generator,
+    echo: bool = True,
+    step: float = 1.0,
 ) -> list[dict[str, Any]]:
     out = np.empty((BATCH, ROW), dtype=np.uint8)
     n = store.n_rows
@@ -86,18 +97,21 @@ def run_phase(
     per_s = []
     seen: dict[str, int] = dict(store.stats().get("choices", {}))
     t_start = time.perf_counter()
-    sec = 1
+    last = 0.0
+    tick = 1
     done = 0
     while True:
         ids = rng.integers(0, n, BATCH)
         store.fetch_into(ids, out)
         done += BATCH
         now = time.perf_counter() - t_start
-        if now >= sec:
+        if now >= tick * step:
             mem = store.memory()
             row = {
-                "t": sec,
-                "rows_per_s": done / (now - (sec - 1)) if sec == 1 else done,
+                "t": round(tick * step, 3),
+                "vm_rss": process_rss()["VmRSS"],
+                "rss_file_table": mem["rss_file_bytes"],
+                "rows_per_s": done / (now - last),
                 "resident": mem["page_cache_resident_bytes"] / mem["table_bytes"],
                 "choices": _delta(store.stats().get("choices", {}), seen),
                 "warm": mem["warm"]["state"],
@@ -105,13 +119,15 @@ def run_phase(
             per_s.append(row)
             if echo:
                 print(
-                    f"  {name:10s} t={sec:3d}s  {row['rows_per_s'] / 1e6:6.2f} M rows/s  "
-                    f"resident {row['resident']:.3f}  warm {row['warm']:9s} "
+                    f"  {name:10s} t={row['t']:5.2f}s {row['rows_per_s'] / 1e6:6.2f} M rows/s  "
+                    f"resident {row['resident']:.3f}  mapped RSS "
+                    f"{row['rss_file_table'] / 1e6:5.0f} MB  warm {row['warm']:9s} "
                     + " ".join(f"{k}={v}" for k, v in row["choices"].items() if v)
                 )
             done = 0
-            sec += 1
-            if sec > seconds:
+            last = time.perf_counter() - t_start
+            tick += 1
+            if tick * step > seconds + 1e-9:
                 break
     assert np.array_equal(out, rows_of(ids)), f"{name}: bytes differ"
     return per_s
@@ -171,6 +187,35 @@ def main() -> None:
             fits_half = s.memory()["fits"]
         half_rate = median([r["rows_per_s"] for r in half])
 
+        # --- rss_budget: a quarter of the table, table resident, random reads ---------------
+        rss_budget = nbytes // 4
+        print(f"rss_budget = 25 % ({rss_budget / 1e6:.0f} MB), table resident, {short} s")
+        with engramdb.open(tmp, rss_budget=rss_budget) as db:
+            s = db["t"]
+            s.populate()  # everything mapped: the watcher must trim it
+            rss = run_phase("rss25", s, short, rng)
+            trims = s.tiers.trims
+        rss_max = max(r["rss_file_table"] for r in rss)
+        rss_rate = median([r["rows_per_s"] for r in rss])
+
+        # --- keep_warm: residency lost under a live store, re-warmed in the background ------
+        make_cold(tmp)
+        with engramdb.open(tmp, keep_warm=True, background_warm=False) as db:
+            s = db["t"]
+            t0 = time.perf_counter()
+            s.populate()
+            warm_s = time.perf_counter() - t0
+            before_loss = run_phase("kw-warm", s, 3, rng)
+            kw_warm = median([r["rows_per_s"] for r in before_loss])
+            drop_mapped_pages(s.array())  # what a checkpoint load's memory pressure does
+            for p in shard_paths(tmp):
+                evict(p)
+            print(
+                f"  residency after the loss {s.residency():.3f}; warm from cold took {warm_s:.2f} s"
+            )
+            after = run_phase("kw-after", s, max(3, int(4 * warm_s) + 2), rng, step=0.25)
+        restored = next((r["t"] for r in after if r["rows_per_s"] >= 0.9 * kw_warm), None)
+
         print()
         print(
             f"table {nbytes / 1e9:.2f} GB; fits the default budget: {fits}; fits 50 %: {fits_half}"
@@ -190,6 +235,17 @@ def main() -> None:
             f"{half_rate / cold_rate:.2f}x all-cold; page cache added "
             f"{added / 1e6:.1f} MB of a {budget / 1e6:.0f} MB budget"
         )
+        print(
+            f"rss_budget 25 %            mapped table RSS max {rss_max / 1e6:.0f} MB of a "
+            f"{rss_budget / 1e6:.0f} MB budget (sampled each second; {trims} trims), "
+            f"{rss_rate / 1e6:.3f} M rows/s = {rss_rate / warm_rate:.2f}x post-warm"
+        )
+        print(
+            f"keep_warm                  warm {kw_warm / 1e6:.3f} M rows/s; after losing the "
+            f"pages >= 0.9x again at {'never' if restored is None else f'{restored} s'} "
+            f"(warm from cold: {warm_s:.2f} s; target within 2x = {2 * warm_s:.2f} s, "
+            f"measured at 1 s resolution)"
+        )
         print(f"peak RSS {vm_hwm_mb():.0f} MB")
         doc.update(
             all_cold=cold,
@@ -202,6 +258,13 @@ def main() -> None:
             half_rate=half_rate,
             half_added_bytes=added,
             half_budget=budget,
+            rss_budget=rss_budget,
+            rss_phase=rss,
+            rss_max=rss_max,
+            keep_warm_before=before_loss,
+            keep_warm_after=after,
+            keep_warm_restored_s=restored,
+            warm_from_cold_s=warm_s,
             vm_hwm_mb=vm_hwm_mb(),
         )
         print(f"json: {write_json('first_read', doc)}")

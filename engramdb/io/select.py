@@ -174,6 +174,10 @@ class AutoBackend(Backend):
         #: The table fits the page-cache budget (set by the table's owner): cold reads stay
         #: buffered so they warm the page cache.
         self.fits = False
+        #: Whether resident batches may be served from the mapping (a table with an RSS budget
+        #: below its size says no: mapped gathers would fault the table into its RSS; resident
+        #: batches then go to buffered syscall reads, page-cache hits).
+        self.serve_mapped = True
         self._lock = threading.Lock()
         self._state: Backend = self.cold  # the backend serving batches until the next check
         self._checked = -float("inf")  # monotonic time of the last cold-state sample
@@ -203,7 +207,7 @@ class AutoBackend(Backend):
         direct = self.direct_cold is not None and (lengths is None or direct_pays(offsets, lengths))
         name = choose_backend(
             fraction,
-            mapped=self.mapped is not None,
+            mapped=self.mapped is not None and self.serve_mapped,
             io_uring=self.io_uring,
             direct=direct,
             fits=self.fits,

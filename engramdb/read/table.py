@@ -137,6 +137,9 @@ class LocalTable(RowTable):
         if self._auto is not None:
             # A table that fits the page-cache budget is read buffered so reading warms it.
             self._auto.fits = self._tiers.fits and not direct_forced
+            # An RSS budget below the table: never serve from the mapping (its gathers would
+            # fault the table into this process's RSS); resident rows come by buffered reads.
+            self._auto.serve_mapped = rss is None or rss >= self._mapping.length
         self._split = SplitDecision()
         self._pool = BufferPool()
         self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
