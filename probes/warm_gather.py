@@ -85,11 +85,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.5, help="per arm per repetition")
     ap.add_argument("--dir", default=None, help="work dir (default: a new temp dir)")
     ap.add_argument("--lat-blocks", type=int, default=10, help="blocks of 1000 16-row calls")
+    ap.add_argument("--pair-rounds", type=int, default=2000, help="paired 160 B batches")
     ap.add_argument("--quick", action="store_true", help="small tables, 5 reps, no build arm")
     args = ap.parse_args()
     if args.quick:
         args.rows_160, args.rows_264, args.reps, args.seconds = 4_000_000, 2_000_000, 5, 0.3
-        args.lat_blocks = 5
+        args.lat_blocks, args.pair_rounds = 5, 1000
     work = Path(tempfile.mkdtemp(prefix="edb-warm-", dir=args.dir))
     report: dict[str, object] = {"probe": "warm_gather"}
     try:
@@ -316,6 +317,29 @@ def main() -> None:
             p99 = {n: float(np.percentile(v, 99)) * 1e6 for n, v in lat.items()}
             for n in lat:
                 print(f"  {n:22s} p50 {p50[n]:.2f} us  p99 {p99[n]:.2f} us  ({len(lat[n])} calls)")
+
+            # Paired per batch: A B / B A alternating, distinct id sets, median per-batch time.
+            # Pairs adjacent batches, so the machine's drift (load 5-10 here) mostly cancels.
+            def paired(fa, fb, sets: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
+                ta, tb = [], []
+                for j in range(rounds):
+                    first, second = (fa, fb) if j % 2 == 0 else (fb, fa)
+                    t0 = pc()
+                    first(2 * j % sets)
+                    t1 = pc()
+                    second((2 * j + 1) % sets)
+                    t2 = pc()
+                    (ta, tb)[j % 2].append(t1 - t0)
+                    (tb, ta)[j % 2].append(t2 - t1)
+                return float(np.median(tb) / np.median(ta))  # time B / time A
+
+            pair_fetch = 1.0 / paired(take160, store_fetch, n_batches, args.pair_rounds)
+            pair_lookup = 1.0 / paired(take264, store_lookup, 8, args.pair_rounds // 4)
+            print(
+                f"paired per batch ({args.pair_rounds} / {args.pair_rounds // 4} pairs, rate "
+                f"ratio from median batch times): fetch_into / np.take {pair_fetch:.3f}x, "
+                f"lookup_into / np.take {pair_lookup:.3f}x"
+            )
             st = s160.stats()
             served = st["fetch_calls"] - calls0
             assert served > 0 and st["small_gathers"] > 0, "the store path did not run"
@@ -337,6 +361,8 @@ def main() -> None:
                 "lookup_into_vs_fancy": m2["lookup_into"] / m2["fancy populated"],
                 "lookup_into_vs_fresh_memmap": m2["lookup_into"] / m2["np.memmap never populated"],
                 "fetch_into16_p50_vs_take16": p50["fetch_into 16"] / p50["np.take 16 [limit]"],
+                "fetch_into_vs_take_paired_batches": pair_fetch,
+                "lookup_into_vs_take_paired_batches": pair_lookup,
             }
             report.update(
                 {
