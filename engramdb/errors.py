@@ -96,6 +96,11 @@ class ReadError(EngramDBError, OSError):
     """A read failed (EIO, EBADF, short read) at a named file and offset."""
 
 
+class MemoryLockRefused(EngramDBError, OSError):
+    """``mlock`` was refused (``RLIMIT_MEMLOCK``, no ``CAP_IPC_LOCK``); the message names the
+    limit and how to raise it."""
+
+
 class BackendUnavailable(EngramDBError, RuntimeError):
     """An I/O backend cannot run here (kernel, sandbox, platform); the message says why."""
 

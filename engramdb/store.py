@@ -16,6 +16,7 @@ import numpy as np
 
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import InvalidArgument, TableNotFound
+from engramdb.io.tiers import process_rss
 from engramdb.keygen import preset as keygen_preset
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import load_index
@@ -196,6 +197,41 @@ class Store(LocalTable):
             self.read_below(ids, data)
         return cache.load_hot(ids, data)
 
+    def memory(self) -> dict[str, Any]:
+        """Where this table's bytes live (see ``docs/workloads.md``, memory tiers):
+
+        ``table_bytes``; ``page_cache_resident_bytes`` (``mincore``: shared by every process
+        that maps the file); ``page_cache_budget`` and ``fits`` (whether the non-resident
+        part fits it, the read rule's input); ``rss_file_bytes`` (this process's mapped
+        resident pages of the table, ``/proc/self/smaps``: what its ``RssFile`` owes the
+        table); ``rss_anon_bytes`` (the RAM tier and this thread's pooled result buffers:
+        what its ``RssAnon`` owes the table); ``ram_tier_bytes``; ``rss_budget``;
+        ``locked_bytes``; ``warm`` (the background warm's state, reason, bytes read) and
+        ``process`` (this process's ``VmRSS`` / ``RssAnon`` / ``RssFile`` ...)."""
+        tiers = self.tiers
+        cache = self.cache
+        tier = int(cache.nbytes) if cache is not None else 0
+        w = tiers.warm
+        return {
+            "table": self.name,
+            "table_bytes": int(self.nbytes),
+            "page_cache_resident_bytes": tiers.resident_bytes(),
+            "page_cache_budget": tiers.budget(),
+            "fits": tiers.fits,
+            "rss_file_bytes": tiers.mapped_rss(),
+            "rss_anon_bytes": tier + self.pool_bytes(),
+            "ram_tier_bytes": tier,
+            "rss_budget": tiers.rss_budget,
+            "locked_bytes": tiers.locked_bytes,
+            "warm": {
+                "state": w.state,
+                "reason": w.reason,
+                "bytes_read": w.bytes_read,
+                "starts": tiers.warm_starts,
+            },
+            "process": process_rss(),
+        }
+
     def stats(self) -> dict[str, Any]:
         """Counters: calls and rows served, the backend's requests/bytes/syscalls (and for
         ``auto`` which path served how many batches), and the RAM tier's hits/misses."""
@@ -213,6 +249,13 @@ class Store(LocalTable):
                 cold = getattr(b, "cold", None)
                 if cold is not None:
                     out["io"] = cold.stats.as_dict()
+        sp = self.split_decision
+        out["gather_split"] = {
+            "split": sp.split,
+            "serial_ns_per_row": sp.ns[False],
+            "split_ns_per_row": sp.ns[True],
+            "tried": {"serial": sp.tried[False], "split": sp.tried[True]},
+        }
         cache = self.cache
         if cache is not None:
             out["cache"] = cache.stats.as_dict()

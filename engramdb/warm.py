@@ -13,6 +13,7 @@ in the process: warm it in the process that serves, e.g. before ``serve`` takes 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,3 +112,71 @@ def warm_hot(db: Database, tables: list[str] | None = None) -> list[HotSummary]:
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class HoldSummary:
+    table: str
+    locked_bytes: int
+    rewarms: int
+    seconds: float
+    resident_after: float
+
+    def line(self) -> str:
+        return (
+            f"held {self.table!r} for {self.seconds:.1f} s: locked {self.locked_bytes / 1e9:.2f} "
+            f"GB, {self.rewarms} re-warm(s), resident {self.resident_after:.0%}"
+        )
+
+
+def hold(
+    db: Database,
+    tables: list[str] | None = None,
+    *,
+    lock: bool = False,
+    lock_budget: int | None = None,
+    watch: bool = False,
+    seconds: float | None = None,
+    interval: float = 1.0,
+    stop: threading.Event | None = None,
+) -> list[HoldSummary]:
+    """Keep tables resident while this process runs: ``lock`` ``mlock``s each table (or its
+    first ``lock_budget`` bytes across the tables, in order; refused → `MemoryLockRefused`
+    naming ``RLIMIT_MEMLOCK``), ``watch`` re-warms a table at the background warm's bounded
+    rate whenever its residency drops (e.g. a checkpoint load evicted it), checked every
+    ``interval`` seconds. Returns after ``seconds`` (None: until ``stop`` is set)."""
+    names = tables or db.tables
+    stores = [db[n] for n in names]
+    left = lock_budget
+    t0 = time.perf_counter()
+    for s in stores:
+        if lock:
+            if left is not None and left <= 0:
+                break
+            got = s.tiers.lock(left)
+            left = None if left is None else left - got
+    stop = stop or threading.Event()
+    starts = {s.name: s.tiers.warm_starts for s in stores}
+    deadline = None if seconds is None else t0 + seconds
+    while True:
+        if watch:
+            for s in stores:
+                s.tiers.keep_warm = True
+                s.tiers.check()
+        wait = interval if deadline is None else min(interval, deadline - time.perf_counter())
+        if wait <= 0 or stop.wait(wait):
+            break
+    for s in stores:
+        if watch:
+            s.tiers.warm.wait()
+    dt = time.perf_counter() - t0
+    return [
+        HoldSummary(
+            s.name,
+            s.tiers.locked_bytes,
+            s.tiers.warm_starts - starts[s.name],
+            dt,
+            s.residency(),
+        )
+        for s in stores
+    ]

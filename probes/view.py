@@ -1,14 +1,18 @@
 """Store-P view against its peers: warm gathers, cold corpus replay, single-record latency.
 
-    python probes/view.py [--base 840000] [--reps 5] [--seconds 0.4] [--dir DIR]
+    python probes/view.py [--base 840000] [--reps 5] [--seconds 0.4] [--dir DIR] [--quick]
 
 Builds under a temp dir (deleted at the end) a 16-head x 160 B table of ``16 * base`` rows
 (2.15 GB by default) and a view of ~``base`` keys from a synthetic corpus (2560 B records,
 ~2.15 GB) with ``engramdb index`` + ``build_view(from_index=True)``.
 
-Warm (table and view populated), batches of 16,384 records, interleaved arms:
-  * view.read_records, random ids / access-ordered (consecutive) ids     [backend mmap]
-  * np.take(populated np.memmap of the same slots, ids, out=, mode="clip")
+Warm (table and view populated), batches of 16,384 records, interleaved arms, labelled:
+  * memmap_take: np.take(populated np.memmap of the same slots, ids, out=, mode="clip"),
+    one thread — the limit, first (and last: the noise floor)
+  * view.read_records(out=), random ids (view_random) / access-ordered ids (view_access);
+    view_alloc: the same without out= (pooled result buffers)       [backend mmap]
+  * fancy_populated: the populated memmap indexed ``mm[ids]``
+  * memmap_never_populated: a fresh np.memmap of the slots per repetition, ``mm[ids]``
   * Store-I: fetch_into of the same records' 16 rows each ([16384, 16], vectorised)
   * Store-I: 16 separate row reads per record (one pread per row, reader-layer preadv)
 Cold (view evicted with MADV_DONTNEED + POSIX_FADV_DONTNEED, residency checked by mincore):
@@ -118,7 +122,11 @@ def main() -> None:
     ap.add_argument("--lat-steps", type=int, default=10_000)
     ap.add_argument("--dir", default=None, help="work dir parent (default: system temp)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (for reruns)")
+    ap.add_argument("--quick", action="store_true", help="a 0.3 GB table, 3 reps, short arms")
     args = ap.parse_args()
+    if args.quick:
+        args.base, args.reps, args.seconds = 120_000, 3, 0.25
+        args.cold_records, args.lat_steps = 20_000, 5_000
     work = Path(tempfile.mkdtemp(prefix="edb-view-", dir=args.dir))
     report: dict[str, Any] = {"probe": "view", "machine": device_note()}
     try:
@@ -216,6 +224,29 @@ def main() -> None:
                 np.take(peer["memmap"], rand_sets[i], axis=0, out=out, mode="clip")
                 return BATCH
 
+            def view_alloc(i: int) -> int:
+                view.read_records(rand_sets[i])
+                return BATCH
+
+            def fancy(i: int) -> int:
+                peer["memmap"][rand_sets[i]]
+                return BATCH
+
+            view_path = db / view.entry.data.path
+
+            def fresh_memmap() -> float:
+                """A never-populated np.memmap of the view's slots, mapped anew per call."""
+                box = [np.memmap(view_path, dtype=np.uint8, mode="r", offset=4096, shape=(n, rb))]
+
+                def once() -> int:
+                    k[0] += 1
+                    box[0][rand_sets[k[0] % n_sets]]
+                    return BATCH
+
+                v = rate(once, args.seconds)
+                box.clear()
+                return v
+
             def store_gather16(i: int) -> int:
                 store.fetch_into(row_sets[i], out_rows)
                 return BATCH
@@ -228,6 +259,9 @@ def main() -> None:
             arms = {
                 "memmap_take": arm(memmap_take),
                 "view_random": arm(view_random),
+                "view_alloc": arm(view_alloc),
+                "fancy_populated": arm(fancy),
+                "memmap_never_populated": fresh_memmap,
                 "view_access": arm(view_access),
                 "store_gather16": arm(store_gather16),
                 "store_pread16": arm(store_pread16),
@@ -332,6 +366,10 @@ def main() -> None:
 
         ratios = {
             "warm_view_random_vs_memmap_take_paired": paired("view_random", "memmap_take"),
+            "warm_view_alloc_vs_view_out_paired": paired("view_alloc", "view_random"),
+            "warm_view_random_vs_fancy_populated": m["view_random"] / m["fancy_populated"],
+            "warm_view_random_vs_memmap_never_populated": m["view_random"]
+            / m["memmap_never_populated"],
             "warm_view_random_vs_memmap_take": m["view_random"] / m["memmap_take"],
             "warm_view_access_vs_memmap_take": m["view_access"] / m["memmap_take"],
             "warm_view_random_vs_store_pread16": m["view_random"] / m["store_pread16"],

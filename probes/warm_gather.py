@@ -1,13 +1,21 @@
-"""Warm gathers and build throughput of Store-I, against numpy on the same bytes.
+"""Warm gathers of Store-I against the limit, `np.take(out=)` on the same populated mapping.
 
-    python probes/warm_gather.py [--rows-160 8000000] [--rows-264 4000000] [--reps 7]
+    python probes/warm_gather.py [--rows-160 8000000] [--rows-264 4000000] [--reps 7] [--quick]
 
-Builds two tables under a temp dir (deleted at the end): >= 2 M rows x 160 B and x 264 B,
-both page-cache warm. Arms, interleaved, same process:
-  * Store.fetch_into (16,384 random global ids, 160 B)  vs  np.memmap(shard)[ids]
-  * Store.lookup_into ([64, 256, 8] local ids, 264 B)   vs  np.memmap(shard)[global ids]
-  * engramdb build of a .npy source                     vs  copy of the same bytes + fsync
-Correctness is checked before timing; the store's counters prove its path ran.
+Builds two tables under a temp dir (deleted at the end): 160 B and 264 B rows, opened with
+``populate=True`` (page cache warm, page tables filled). Arms, interleaved ABAB, same run,
+every repetition printed; the baseline first, each labelled:
+
+  * 16,384 random ids x 160 B: ``np.take(table, ids, axis=0, out=out, mode="clip")`` on the
+    store's populated mapping, one thread (**the limit**) | ``Store.fetch_into`` |
+    ``Store.fetch`` (allocating) | populated fancy indexing ``table[ids]`` | a never-populated
+    ``np.memmap`` of the shard (mapped anew each repetition: what a naive user writes);
+  * ``lookup_into`` [64, 256, 8] x 264 B: the same four columns;
+  * one 16-row ``fetch_into`` (a decode step): p50 / p99 against ``np.take`` of 16 rows;
+  * (not with ``--quick``) ``engramdb build`` of a .npy source vs a copy of it + fsync.
+
+Correctness is checked before timing; the store's counters (fast-path calls, the rule's
+choices, the split decision) prove which path ran. JSON: ``probes/out/warm_gather.json``.
 """
 
 from __future__ import annotations
@@ -76,7 +84,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=0.5, help="per arm per repetition")
     ap.add_argument("--dir", default=None, help="work dir (default: a new temp dir)")
+    ap.add_argument("--lat-blocks", type=int, default=10, help="blocks of 1000 16-row calls")
+    ap.add_argument("--pair-rounds", type=int, default=2000, help="paired 160 B batches")
+    ap.add_argument("--quick", action="store_true", help="small tables, 5 reps, no build arm")
     args = ap.parse_args()
+    if args.quick:
+        args.rows_160, args.rows_264, args.reps, args.seconds = 4_000_000, 2_000_000, 5, 0.3
+        args.lat_blocks, args.pair_rounds = 5, 1000
     work = Path(tempfile.mkdtemp(prefix="edb-warm-", dir=args.dir))
     report: dict[str, object] = {"probe": "warm_gather"}
     try:
@@ -88,12 +102,14 @@ def main() -> None:
             srcs[rb] = src
 
         # --- build vs copy (build runs in a child so its peak RSS is its own) -------------
+        if args.quick:
+            engramdb.build(db_path, "t160", 160, [srcs[160]], force=True, shard_bytes=8 << 30)
         print(
             "build vs sequential copy (+fsync), 160 B source "
             f"{srcs[160].stat().st_size / 1e9:.2f} GB:"
         )
         b_rates, c_rates, hwms = [], [], []
-        for r in range(5):
+        for r in range(0 if args.quick else 5):
             evict(srcs[160])
             out = subprocess.run(
                 [sys.executable, "-c", BUILD_CHILD, str(db_path), "t160", "160", str(srcs[160])],
@@ -111,13 +127,17 @@ def main() -> None:
                 f"  rep {r}: build {b_rates[-1] / 1e9:.2f} GB/s (peak RSS {hwms[-1]:.0f} MB)"
                 f"  copy {c_rates[-1] / 1e9:.2f} GB/s"
             )
-        build_ratio = median(b_rates) / median(c_rates)
-        report["build"] = {
-            "build_gb_s": [x / 1e9 for x in b_rates],
-            "copy_gb_s": [x / 1e9 for x in c_rates],
-            "build_peak_rss_mb": max(hwms),
-            "ratio": build_ratio,
-        }
+        if b_rates:
+            report["build"] = {
+                "build_gb_s": [x / 1e9 for x in b_rates],
+                "copy_gb_s": [x / 1e9 for x in c_rates],
+                "build_peak_rss_mb": max(hwms),
+                "ratio": median(b_rates) / median(c_rates),
+            }
+            print(
+                f"RATIO build / sequential copy: {report['build']['ratio']:.2f}x "  # type: ignore[index]
+                f"(build peak RSS {max(hwms):.0f} MB)"
+            )
         engramdb.build(
             db_path,
             "t264",
@@ -183,7 +203,9 @@ def main() -> None:
                 s264.lookup_into(local_sets[0], out264)
                 mm264[global_sets[0]]
             calls0 = s160.stats()["fetch_calls"]
-
+            t160, t264 = s160.array(), s264.array()  # the store's populated mapping
+            shard160 = db_path / s160.info.shards[0].path
+            shard264 = db_path / s264.info.shards[0].path
             k = [0]
 
             def arm(fn):  # type: ignore[no-untyped-def]
@@ -196,6 +218,34 @@ def main() -> None:
 
                 return run
 
+            def fresh_arm(path: Path, rows: int, rb: int, ids_of):  # type: ignore[no-untyped-def]
+                """A never-populated np.memmap: mapped anew for every repetition."""
+
+                def run() -> float:
+                    box = [np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, rb))]
+
+                    def once() -> int:
+                        k[0] += 1
+                        ids = ids_of(k[0])
+                        box[0][ids]
+                        return ids.size
+
+                    v = rate(once, args.seconds)
+                    box.clear()  # unmapped: the next repetition maps it anew
+                    return v
+
+                return run
+
+            def ids160(i: int) -> np.ndarray:
+                return id_sets[i % n_batches]
+
+            def g264(i: int) -> np.ndarray:
+                return global_sets[i % 8]
+
+            def take160(i: int) -> int:
+                np.take(t160, id_sets[i % n_batches], axis=0, out=out160, mode="clip")
+                return batch
+
             def store_fetch(i: int) -> int:
                 s160.fetch_into(id_sets[i % n_batches], out160)
                 return batch
@@ -204,73 +254,148 @@ def main() -> None:
                 s160.fetch(id_sets[i % n_batches])
                 return batch
 
-            def numpy_fetch(i: int) -> int:
-                mm160[id_sets[i % n_batches]]
+            def fancy160(i: int) -> int:
+                t160[id_sets[i % n_batches]]
                 return batch
+
+            n264 = out264.shape[0] * out264.shape[1] * out264.shape[2]
+            flat264 = out264.reshape(-1, 264)
+
+            def take264(i: int) -> int:
+                np.take(t264, global_sets[i % 8].reshape(-1), axis=0, out=flat264, mode="clip")
+                return n264
 
             def store_lookup(i: int) -> int:
                 s264.lookup_into(local_sets[i % 8], out264)
-                return out264.shape[0] * out264.shape[1] * out264.shape[2]
+                return n264
 
-            def numpy_lookup(i: int) -> int:
-                mm264[global_sets[i % 8]]
-                return out264.shape[0] * out264.shape[1] * out264.shape[2]
+            def fancy264(i: int) -> int:
+                t264[global_sets[i % 8]]
+                return n264
 
             print(f"warm 160 B, batches of {batch:,} random ids (rows/s):")
             r1 = interleave(
                 {
-                    "numpy": arm(numpy_fetch),
+                    "np.take(out=) populated [limit]": arm(take160),
                     "fetch_into": arm(store_fetch),
                     "fetch": arm(store_fetch_alloc),
+                    "fancy populated": arm(fancy160),
+                    "np.memmap never populated": fresh_arm(shard160, s160.n_rows, 160, ids160),
                 },
                 args.reps,
             )
             print("warm 264 B, lookup_into [64, 256, 8] (rows/s):")
             r2 = interleave(
-                {"numpy": arm(numpy_lookup), "lookup_into": arm(store_lookup)}, args.reps
+                {
+                    "np.take(out=) populated [limit]": arm(take264),
+                    "lookup_into": arm(store_lookup),
+                    "fancy populated": arm(fancy264),
+                    "np.memmap never populated": fresh_arm(shard264, s264.n_rows, 264, g264),
+                },
+                args.reps,
             )
-            served = s160.stats()["fetch_calls"] - calls0
-            assert served > 0, "the store path did not run"
-            fetch_ratio = median(r1["fetch"]) / median(r1["numpy"])
-            fetch_into_ratio = median(r1["fetch_into"]) / median(r1["numpy"])
-            lookup_ratio = median(r2["lookup_into"]) / median(r2["numpy"])
+            # 16-row decode step: p50 / p99 of single calls, interleaved in blocks of 1000.
+            small = [rng.integers(0, s160.n_rows, 16, dtype=np.int64) for _ in range(64)]
+            o16 = np.empty((16, 160), np.uint8)
+            lat: dict[str, list[float]] = {"np.take 16 [limit]": [], "fetch_into 16": []}
+            pc = time.perf_counter
+            for blk in range(2 * args.lat_blocks):
+                order = list(lat) if blk % 2 == 0 else list(lat)[::-1]
+                for name in order:
+                    xs = lat[name]
+                    if name.startswith("np.take"):
+                        for j in range(1000):
+                            t0 = pc()
+                            np.take(t160, small[j & 63], axis=0, out=o16, mode="clip")
+                            xs.append(pc() - t0)
+                    else:
+                        for j in range(1000):
+                            t0 = pc()
+                            s160.fetch_into(small[j & 63], o16)
+                            xs.append(pc() - t0)
+            p50 = {n: float(np.percentile(v, 50)) * 1e6 for n, v in lat.items()}
+            p99 = {n: float(np.percentile(v, 99)) * 1e6 for n, v in lat.items()}
+            for n in lat:
+                print(f"  {n:22s} p50 {p50[n]:.2f} us  p99 {p99[n]:.2f} us  ({len(lat[n])} calls)")
+
+            # Paired per batch: A B / B A alternating, distinct id sets, median per-batch time.
+            # Pairs adjacent batches, so the machine's drift (load 5-10 here) mostly cancels.
+            def paired(fa, fb, sets: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
+                ta, tb = [], []
+                for j in range(rounds):
+                    first, second = (fa, fb) if j % 2 == 0 else (fb, fa)
+                    t0 = pc()
+                    first(2 * j % sets)
+                    t1 = pc()
+                    second((2 * j + 1) % sets)
+                    t2 = pc()
+                    (ta, tb)[j % 2].append(t1 - t0)
+                    (tb, ta)[j % 2].append(t2 - t1)
+                return float(np.median(tb) / np.median(ta))  # time B / time A
+
+            pair_fetch = 1.0 / paired(take160, store_fetch, n_batches, args.pair_rounds)
+            pair_lookup = 1.0 / paired(take264, store_lookup, 8, args.pair_rounds // 4)
+            print(
+                f"paired per batch ({args.pair_rounds} / {args.pair_rounds // 4} pairs, rate "
+                f"ratio from median batch times): fetch_into / np.take {pair_fetch:.3f}x, "
+                f"lookup_into / np.take {pair_lookup:.3f}x"
+            )
+            st = s160.stats()
+            served = st["fetch_calls"] - calls0
+            assert served > 0 and st["small_gathers"] > 0, "the store path did not run"
+            lim1 = "np.take(out=) populated [limit]"
+            m1 = {n: median(v) for n, v in r1.items()}
+            m2 = {n: median(v) for n, v in r2.items()}
+            per_rep = {
+                "fetch_into": [a / b for a, b in zip(r1["fetch_into"], r1[lim1])],
+                "fetch": [a / b for a, b in zip(r1["fetch"], r1[lim1])],
+                "lookup_into": [a / b for a, b in zip(r2["lookup_into"], r2[lim1])],
+            }
+            ratios = {
+                "fetch_into_vs_take": m1["fetch_into"] / m1[lim1],
+                "fetch_vs_take": m1["fetch"] / m1[lim1],
+                "fetch_vs_fetch_into": m1["fetch"] / m1["fetch_into"],
+                "fetch_into_vs_fancy": m1["fetch_into"] / m1["fancy populated"],
+                "fetch_into_vs_fresh_memmap": m1["fetch_into"] / m1["np.memmap never populated"],
+                "lookup_into_vs_take": m2["lookup_into"] / m2[lim1],
+                "lookup_into_vs_fancy": m2["lookup_into"] / m2["fancy populated"],
+                "lookup_into_vs_fresh_memmap": m2["lookup_into"] / m2["np.memmap never populated"],
+                "fetch_into16_p50_vs_take16": p50["fetch_into 16"] / p50["np.take 16 [limit]"],
+                "fetch_into_vs_take_paired_batches": pair_fetch,
+                "lookup_into_vs_take_paired_batches": pair_lookup,
+            }
             report.update(
                 {
-                    "fetch_160": {k2: [x for x in v] for k2, v in r1.items()},
-                    "lookup_264": {k2: [x for x in v] for k2, v in r2.items()},
+                    "fetch_160": r1,
+                    "lookup_264": r2,
+                    "latency16_us": {"p50": p50, "p99": p99},
+                    "per_rep_vs_take": per_rep,
                     "store_calls_during_timing": served,
+                    "small_gathers": st["small_gathers"],
+                    "gather_split": st["gather_split"],
+                    "choices": st.get("choices"),
                     "residency": {"t160": s160.residency(), "t264": s264.residency()},
-                    "ratios": {
-                        "fetch_vs_numpy": fetch_ratio,
-                        "fetch_into_vs_numpy": fetch_into_ratio,
-                        "lookup_into_vs_numpy": lookup_ratio,
-                        "build_vs_copy": build_ratio,
-                    },
+                    "ratios": {**ratios, "build_vs_copy": report.get("build", {}).get("ratio")},
                     "peak_rss_mb": vm_hwm_mb(),
                 }
             )
         print(
-            f"proof: {served} Store gather calls served during timing; "
-            f"peak RSS of this probe {vm_hwm_mb():.0f} MB"
-        )
-        print(
-            "medians: "
-            f"fetch {median(r1['fetch']) / 1e6:.1f} M/s, fetch_into "
-            f"{median(r1['fetch_into']) / 1e6:.1f} M/s, numpy {median(r1['numpy']) / 1e6:.1f} M/s; "
-            f"lookup_into {median(r2['lookup_into']) / 1e6:.1f} M/s, numpy "
-            f"{median(r2['numpy']) / 1e6:.1f} M/s"
+            f"proof: {served} Store calls served during timing ({st['small_gathers']} by the "
+            f"mapped fast path); choices {st.get('choices')}; split decision "
+            f"{st['gather_split']}; peak RSS {vm_hwm_mb():.0f} MB"
         )
         path = write_json("warm_gather", report)
         print(f"json: {path}")
-        print(f"RATIO Store.fetch / numpy memmap fancy-index (160 B):      {fetch_ratio:.2f}x")
-        print(f"RATIO Store.fetch_into / numpy (160 B):                    {fetch_into_ratio:.2f}x")
         print(
-            f"RATIO Store.lookup_into / numpy fancy-index (264 B, [64,256,8]): {lookup_ratio:.2f}x"
+            "per-repetition fetch_into / np.take: "
+            + " ".join(f"{x:.2f}" for x in per_rep["fetch_into"])
         )
         print(
-            f"RATIO build / sequential copy:                             {build_ratio:.2f}x "
-            f"(build peak RSS {max(hwms):.0f} MB)"
+            "per-repetition lookup_into / np.take: "
+            + " ".join(f"{x:.2f}" for x in per_rep["lookup_into"])
         )
+        for name, v in ratios.items():
+            print(f"RATIO {name:34s} {v:.2f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -15,7 +15,7 @@ import engramdb
 PACKAGE = Path(engramdb.__file__).resolve().parent
 MAX_LINES = 600
 # Modules allowed past MAX_LINES; each says why in its docstring.
-LONG_OK: set[str] = set()
+LONG_OK = {"read/table.py"}
 
 
 def _modules() -> list[Path]:
@@ -51,6 +51,9 @@ def test_modules_stay_small() -> None:
         if n > MAX_LINES and rel not in LONG_OK:
             long[rel] = n
     assert long == {}, f"modules over {MAX_LINES} lines: {long}"
+    for rel in LONG_OK:  # an exception says why in its docstring
+        doc = ast.get_docstring(ast.parse((PACKAGE / rel).read_text())) or ""
+        assert "Why this module is past 600 lines" in doc, rel
 
 
 def _loaded_after(statement: str) -> set[str]:

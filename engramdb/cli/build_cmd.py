@@ -50,6 +50,11 @@ from engramdb.units import parse_size
 @click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
 @click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
 @click.option("--force", is_flag=True, help="Replace the table if it exists.")
+@click.option(
+    "--warm",
+    is_flag=True,
+    help="After publishing, read the table into the page cache (for reading right away).",
+)
 @quiet_option
 @library_errors
 def build_cmd(
@@ -65,12 +70,14 @@ def build_cmd(
     dim: int | None,
     shard_size: str,
     force: bool,
+    warm: bool,
     quiet: bool,
 ) -> None:
     """Build table TABLE of database DB from SOURCES (.npy, raw .bin, .safetensors).
 
     Streams with bounded memory and publishes atomically: a failed or killed build leaves
-    the previous database exactly as it was.
+    the previous database exactly as it was. The build writes with O_DIRECT, so the new
+    table is not in the page cache; --warm reads it in after publishing.
     """
     if from_attached:
         from engramdb.build.attach import materialize
@@ -97,3 +104,9 @@ def build_cmd(
             progress=bar.update,
         )
     echo_summaries([summary])
+    if warm:
+        from engramdb.database import Database
+        from engramdb.warm import warm_tables
+
+        with Database(db, background_warm=False) as d:
+            echo_summaries(warm_tables(d, [table]))

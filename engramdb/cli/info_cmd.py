@@ -15,9 +15,24 @@ from engramdb.verify import total_bytes, verify
 @click.command("info")
 @click.argument("db", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest and sizes as JSON.")
+@click.option(
+    "--memory",
+    is_flag=True,
+    help="Where each table's bytes live: page-cache residency (mincore), the page-cache "
+    "budget and whether the table fits it (reads no data).",
+)
+@click.option(
+    "--page-cache-budget",
+    default=None,
+    help="Budget to judge 'fits' by (default: "
+    "MemAvailable minus a safety margin, or ENGRAMDB_PAGE_CACHE_BUDGET).",
+)
 @library_errors
-def info_cmd(db: str, as_json: bool) -> None:
+def info_cmd(db: str, as_json: bool, memory: bool, page_cache_budget: str | None) -> None:
     """Describe the tables of database DB (reads only the manifest and shard sizes)."""
+    if memory:
+        _memory(db, as_json, page_cache_budget)
+        return
     with Database(db) as d:
         doc = d.info()
     if as_json:
@@ -42,6 +57,26 @@ def info_cmd(db: str, as_json: bool) -> None:
             click.echo(f"    heads: {heads}")
         for f in (att or {}).get("files", [])[:16]:
             click.echo(f"    source: {f['path']} ({format_bytes(f['size'])})")
+
+
+def _memory(db: str, as_json: bool, budget: str | None) -> None:
+    with Database(db, page_cache_budget=budget, background_warm=False) as d:
+        docs = {name: d[name].memory() for name in d.tables}
+    if as_json:
+        click.echo(json.dumps(docs, indent=1))
+        return
+    for name, m in docs.items():
+        n = max(1, m["table_bytes"])
+        click.echo(
+            f"{name}: {format_bytes(m['table_bytes'])}, page cache "
+            f"{format_bytes(m['page_cache_resident_bytes'])} resident "
+            f"({m['page_cache_resident_bytes'] / n:.1%}), budget "
+            f"{format_bytes(m['page_cache_budget'])} ({'fits' if m['fits'] else 'does not fit'})"
+        )
+    click.echo(
+        "  (RssFile / RssAnon and the RAM tier belong to the process that reads: "
+        "Store.memory() there)"
+    )
 
 
 @click.command("verify")

@@ -5,7 +5,8 @@ import click
 from engramdb.cli._common import echo_summaries, library_errors, progress_bar, quiet_option
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument
-from engramdb.warm import residency, warm_hot, warm_tables, warm_view
+from engramdb.units import parse_size
+from engramdb.warm import hold, residency, warm_hot, warm_tables, warm_view
 
 
 @click.command("warm")
@@ -20,6 +21,23 @@ from engramdb.warm import residency, warm_hot, warm_tables, warm_view
 )
 @click.option("--ram-budget", default=None, help="RAM tier size per table, e.g. 8G (with --hot).")
 @click.option("--check", is_flag=True, help="Only report page-cache residency; read nothing.")
+@click.option(
+    "--lock",
+    is_flag=True,
+    help="Then mlock the tables (within --lock-budget) and hold them until interrupted.",
+)
+@click.option("--lock-budget", default=None, help="Most bytes to mlock, e.g. 8G (with --lock).")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Then stay and re-warm (at a bounded rate) whenever residency drops.",
+)
+@click.option(
+    "--seconds",
+    type=float,
+    default=None,
+    help="Hold for this long (--lock/--watch; default: until interrupted).",
+)
 @quiet_option
 @library_errors
 def warm_cmd(
@@ -30,12 +48,23 @@ def warm_cmd(
     hot: bool,
     ram_budget: str | None,
     check: bool,
+    lock: bool,
+    lock_budget: str | None,
+    watch: bool,
+    seconds: float | None,
     quiet: bool,
 ) -> None:
     """Load tables of DB into the page cache at device speed (MADV_POPULATE_READ from
     background threads), or a Store-P view with --table T --view V, or with --hot
     --ram-budget B pin each table's hot set in a RAM tier of B bytes, or with --check report
-    how much of each is resident."""
+    how much of each is resident. --lock / --watch then keep the tables resident while the
+    command runs (mlock within --lock-budget; re-warm after residency loss)."""
+    if lock_budget is not None and not lock:
+        raise InvalidArgument("--lock-budget applies to --lock")
+    if (lock or watch) and (hot or check or view is not None):
+        raise InvalidArgument(
+            "--lock/--watch hold tables in the page cache: drop --hot/--check/--view"
+        )
     if hot and ram_budget is None:
         raise InvalidArgument("--hot needs --ram-budget (the size of the RAM tier)")
     if ram_budget is not None and not hot:
@@ -65,4 +94,12 @@ def warm_cmd(
         total = sum(d[n].nbytes for n in names)
         with progress_bar(quiet, "warming", total) as bar:
             summaries = warm_tables(d, names, threads=threads, progress=bar.update)
-    echo_summaries(summaries)
+        echo_summaries(summaries)
+        if lock or watch:
+            budget = parse_size(lock_budget) if lock_budget is not None else None
+            click.echo("holding (Ctrl-C to stop)" if seconds is None else f"holding {seconds} s")
+            try:
+                held = hold(d, names, lock=lock, lock_budget=budget, watch=watch, seconds=seconds)
+            except KeyboardInterrupt:
+                return
+            echo_summaries(held)

@@ -1,14 +1,18 @@
-"""Warm row gathers from a mapped table, split across cores.
+"""Warm row gathers from a mapped table, split across cores when that measurably pays.
 
 ``np.take`` releases the GIL while it copies, so a large batch split over a small
-persistent thread pool scales with cores (measured here: 21 -> 40 M rows/s for 160 B rows
-on 2 cores). Small batches stay on the calling thread: handing work to a pool costs ~20 us.
+persistent thread pool can scale with cores (21 -> 40 M rows/s for 160 B rows on 2 idle
+cores) — or lose, on a busy shared machine (0.74-0.86x single-thread ``np.take`` in the
+issue-14 measurements). `SplitDecision` decides from observed timings of the caller's own
+batches, not from the core count. Small batches stay on the calling thread: handing work to
+a pool costs ~20 us.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,6 +43,67 @@ def gather_threads() -> int:
                 n = os.cpu_count() or 1
             _threads = max(1, min(8, n))
     return _threads
+
+
+class SplitDecision:
+    """Whether a large gather is split across the gather pool, decided from observed
+    timings, not the core count.
+
+    Gathers run on one thread; every ``every``-th large batch is run the other way. Each way
+    keeps a moving average of its ns per row. The table switches only when the other way
+    has at least `MIN_SAMPLES` timings and its average is below `WIN` x the current one's
+    (a single lucky batch on a busy machine does not flip it); each exploration that does
+    not win doubles ``every`` (up to 1024), a switch resets it to 16. Without a second core
+    (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
+
+    MIN_SAMPLES = 4
+    WIN = 0.85
+
+    def __init__(self) -> None:
+        self.allowed = gather_threads() > 1
+        self.ns = {False: 0.0, True: 0.0}  # moving average ns/row: serial, split
+        self.split = False
+        self.every = 16
+        self.count = 0
+        self.tried = {False: 0, True: 0}
+
+    def pick(self) -> bool:
+        """The way to run the next large batch."""
+        if not self.allowed:
+            return False
+        self.count += 1
+        if self.count % self.every == 0:
+            return not self.split  # explore the other way
+        return self.split
+
+    def report(self, split: bool, rows: int, seconds: float) -> None:
+        """The time one large batch took run ``split`` (or not)."""
+        ns = seconds * 1e9 / max(1, rows)
+        old = self.ns[split]
+        self.ns[split] = ns if old == 0.0 else 0.75 * old + 0.25 * ns
+        self.tried[split] += 1
+        if split == self.split:
+            return
+        cur = self.ns[self.split]
+        if cur > 0.0 and self.tried[split] >= self.MIN_SAMPLES and self.ns[split] < self.WIN * cur:
+            self.split, self.every = split, 16  # the explored way won clearly
+        elif self.tried[split] >= self.MIN_SAMPLES:
+            self.every = min(1024, self.every * 2)
+
+    def take(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+        """`take_rows` split or on this thread as decided, timed and reported (batches
+        under `PARALLEL_MIN_BYTES` always on this thread, not counted)."""
+        n = ids.size
+        if n * table.shape[1] < PARALLEL_MIN_BYTES:
+            np.take(table, ids, axis=0, out=out, mode="clip")
+            return
+        split = self.pick()
+        t0 = time.perf_counter()
+        if split:
+            take_rows(table, ids, out)
+        else:
+            np.take(table, ids, axis=0, out=out, mode="clip")
+        self.report(split, n, time.perf_counter() - t0)
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:

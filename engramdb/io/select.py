@@ -50,17 +50,27 @@ BACKENDS = ("auto", "mmap", "preadv", "io_uring")
 
 
 def choose_backend(
-    resident_fraction: float, *, mapped: bool, io_uring: bool, direct: bool = True
+    resident_fraction: float,
+    *,
+    mapped: bool,
+    io_uring: bool,
+    direct: bool = True,
+    fits: bool = False,
 ) -> str:
     """The auto rule as a pure function: the backend for a batch whose sampled pages are
-    ``resident_fraction`` resident, given whether a mapping exists, io_uring works and
-    O_DIRECT reads are allowed. Returns ``"mmap"``, ``"io_uring_direct"``, ``"io_uring"``
-    or ``"preadv"``."""
+    ``resident_fraction`` resident. ``mapped``: a mapping exists; ``io_uring``: io_uring
+    works here; ``direct``: O_DIRECT is allowed and saves device bytes (`direct_pays`);
+    ``fits``: the table fits the page-cache budget and the caller did not ask for O_DIRECT.
+    Returns ``"mmap"``, ``"io_uring_direct"``, ``"io_uring"`` or ``"preadv"``.
+
+    A table that fits is read through the page cache (buffered) so reading it warms it and
+    the rule moves on to the mapping; O_DIRECT (which never warms anything) is kept for
+    tables that cannot fit. The full table of inputs -> choice is in ``docs/io.md``."""
     if mapped and resident_fraction >= 1.0:
         return "mmap"
     if not io_uring:
         return "preadv"
-    if direct and mapped and resident_fraction <= 0.0:
+    if direct and not fits and mapped and resident_fraction <= 0.0:
         return "io_uring_direct"
     return "io_uring"
 
@@ -161,10 +171,20 @@ class AutoBackend(Backend):
         self.recheck_s = float(recheck_s)
         self.choices: dict[str, int] = {}
         self.last_choice = ""
+        #: The table fits the page-cache budget (set by the table's owner): cold reads stay
+        #: buffered so they warm the page cache.
+        self.fits = False
+        #: Whether resident batches may be served from the mapping (a table with an RSS budget
+        #: below its size says no: mapped gathers would fault the table into its RSS; resident
+        #: batches then go to buffered syscall reads, page-cache hits).
+        self.serve_mapped = True
         self._lock = threading.Lock()
         self._state: Backend = self.cold  # the backend serving batches until the next check
         self._checked = -float("inf")  # monotonic time of the last cold-state sample
         self._suspect = False  # the last mmap batch was slow: check harder next time
+        #: In the mapped state and not suspect: a caller may gather from the mapping without
+        #: asking (one attribute read; kept in step by `choose` and `feedback`).
+        self.mapped_ok = False
 
     @property
     def io_uring(self) -> bool:
@@ -186,7 +206,11 @@ class AutoBackend(Backend):
     def _pick(self, fraction: float, offsets: ArrayLike, lengths: ArrayLike | None) -> Backend:
         direct = self.direct_cold is not None and (lengths is None or direct_pays(offsets, lengths))
         name = choose_backend(
-            fraction, mapped=self.mapped is not None, io_uring=self.io_uring, direct=direct
+            fraction,
+            mapped=self.mapped is not None and self.serve_mapped,
+            io_uring=self.io_uring,
+            direct=direct,
+            fits=self.fits,
         )
         if name == "mmap" and self.mapped is not None:
             return self.mapped
@@ -256,6 +280,7 @@ class AutoBackend(Backend):
                     frac = self.resident_fraction(fds, offsets)
                     self._state = self._pick(frac, offsets, lengths)
             chosen = self._state
+        self.mapped_ok = mapped is not None and chosen is mapped and not self._suspect
         label = _label(chosen)
         with self._lock:
             self.choices[label] = self.choices.get(label, 0) + 1
@@ -267,6 +292,20 @@ class AutoBackend(Backend):
         faults, or a busy machine) the next batch checks a full sample."""
         if chosen is self.mapped and requests and seconds * 1e6 > self.slow_us * requests:
             self._suspect = True
+            self.mapped_ok = False
+
+    def count_mapped(self) -> None:
+        """Count a batch a caller served from the mapping after its own residency check
+        (no lock: under concurrent callers a count may be lost, never a read)."""
+        ch = self.choices
+        ch["mmap"] = ch.get("mmap", 0) + 1
+        self.last_choice = "mmap"
+
+    def fault_feedback(self, requests: int, seconds: float) -> None:
+        """`feedback` for a mapped gather the caller ran without `choose` (a table's fast
+        path): a slow one makes the next batch check a full sample."""
+        if self.mapped is not None:
+            self.feedback(self.mapped, requests, seconds)
 
     def _read(self, batch: Batch, dest: np.ndarray) -> None:
         chosen = self.choose(batch.fds, batch.offsets, batch.lengths)

@@ -35,7 +35,7 @@ from engramdb.errors import (
     TableNotFound,
     TruncatedFile,
 )
-from engramdb.io.gather import take_rows
+from engramdb.io.gather import SplitDecision
 from engramdb.io.mapping import (
     MADV_DONTNEED,
     MADV_POPULATE_READ,
@@ -57,6 +57,7 @@ from engramdb.layouts.view import (
     plan_slot_reads,
     source_hash,
 )
+from engramdb.read.cache import BufferPool
 from engramdb.table_api import Closing
 from engramdb.validate import as_rowids, check_bounds, check_output
 
@@ -171,6 +172,8 @@ class RecordFile(Closing):
         self._pymm: mmap.mmap | None = None
         self._rule: RecordRule | None = None
         self._scratch = Scratch()
+        self._out_pool = BufferPool()  # results of read_records without out=
+        self._split = SplitDecision()  # whether large mapped gathers split (measured)
         self._closed = True
         self.table = info.name
         self.name = entry.name
@@ -337,8 +340,10 @@ class RecordFile(Closing):
     def read_records(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Records ``ids`` (any integer array) as uint8 ``ids.shape + (record_bytes,)``.
 
-        ``out`` (C-contiguous, writable) avoids the allocation. Validation happens before
-        any byte is written. Warm: one parallel ``np.take`` from the mapping; cold (syscall
+        ``out`` (C-contiguous, writable) avoids the allocation (without it, a large result
+        comes from a pool of buffers reused once the caller dropped them). Validation happens
+        before any byte is written. Warm: one ``np.take`` from the mapping (split across the
+        gather pool only while measured timings say it pays); cold (syscall
         backends): sorted, deduplicated, adjacent slots merged into reads of up to 16 MiB.
         """
         self._check_open()
@@ -347,7 +352,7 @@ class RecordFile(Closing):
         check_bounds(flat, self.n_records, shape=arr.shape, what="record id")
         shape = arr.shape + (self.record_bytes,)
         if out is None:
-            out = np.empty(shape, dtype=np.uint8)
+            out = self._out_pool.empty(shape, flat.size * self.record_bytes)
         else:
             check_output(out, shape)
         self._gather(flat, out.reshape(-1, self.record_bytes))
@@ -381,7 +386,7 @@ class RecordFile(Closing):
         path, fraction = self._rule.choose(n, lambda k: self._resident_fraction(slots, k))
         if path == MAPPED:
             assert self._records is not None
-            take_rows(self._records, slots, out2d)
+            self._split.take(self._records, slots, out2d)
             c["mmap_batches"] += 1
             c["bytes_requested"] += n * self.record_bytes
         else:

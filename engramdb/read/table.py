@@ -12,6 +12,12 @@ The warm path is one vectorised gather: the shards are mapped back to back, so a
 ``np.take(table, ids, axis=0, out=..., mode="clip")`` after a one-pass bounds check
 (``mode="clip"`` avoids numpy's temporary copy for ``mode="raise"``; the ids were validated
 already, so clipping never changes a row).
+
+Why this module is past 600 lines: the per-batch read path (`read_below`, the fast paths of
+`fetch_into` / `gather_small`), the RAM-tier policy and the memory policy (`io.tiers`) share
+one state machine — the read rule's state, the mapping, the segments of an attached table and
+the counters — and each step of a batch consults all of them; split across modules they would
+have to reach into each other's private state.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ from typing import Any
 import numpy as np
 
 from engramdb.disk.files import open_shards
-from engramdb.errors import InvalidLayout, StoreClosed
+from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
-from engramdb.io.gather import take_rows
+from engramdb.io.gather import SplitDecision
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
+from engramdb.io.residency import resident_count
 from engramdb.io.select import AutoBackend
+from engramdb.io.tiers import MappedTiers, parse_budget
 from engramdb.layouts.geometry import TableGeometry
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.attached import SourceSegments
-from engramdb.read.cache import RowCache
+from engramdb.read.cache import BufferPool, RowCache
 from engramdb.read.plan import ReadPlan, assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
+from engramdb.validate import check_bounds
 
 __all__ = ["LocalTable"]
 
@@ -49,8 +58,14 @@ _TIER_SAMPLE = 128
 _TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
 
 
-def _take_serial(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-    np.take(table, ids, axis=0, out=out, mode="clip")
+_SMALL = 32  # ids checked in plain Python below this (cheaper than two numpy reductions)
+#: Default rate of the background warm a first cold read starts, bytes per second.
+WARM_RATE = "512M"
+
+
+_clock = time.perf_counter
+_I64 = np.dtype(np.int64)
+_U8 = np.dtype(np.uint8)
 
 
 class LocalTable(RowTable):
@@ -68,9 +83,22 @@ class LocalTable(RowTable):
         *,
         backend: str = "auto",
         ram_budget: int | str | None = None,
+        page_cache_budget: int | str | None = None,
+        rss_budget: int | str | None = None,
+        keep_warm: bool = False,
+        warm_rate: int | str = WARM_RATE,
+        background_warm: bool = True,
         **backend_options: Any,
     ):
         RowTable.__init__(self, TableSchema.of(info))
+        pc_budget = parse_budget(page_cache_budget)
+        rss = parse_budget(rss_budget, what="rss_budget")
+        rate = parse_budget(warm_rate, what="warm_rate")
+        if rate is None or rate <= 0:
+            raise InvalidArgument(
+                f"warm_rate must be a positive size per second, got {warm_rate!r}"
+            )
+        direct_forced = backend == "auto" and backend_options.get("direct") is True
         self._db = Path(db_path)
         self.info = info
         self.geometry: TableGeometry = info.geometry
@@ -103,7 +131,24 @@ class LocalTable(RowTable):
             self._backend: Backend | None = make_backend(
                 backend, regions=regions, **backend_options
             )
+            # The memory policy watches one back-to-back mapping: built tables. An attached
+            # table's rows sit inside its source files, read through its segments instead.
+            self._tiers: MappedTiers | None = None
+            if isinstance(self._mapping, ShardMapping):
+                self._tiers = MappedTiers(
+                    self._mapping.address,
+                    self._mapping.length,
+                    [(fd, sh.bytes) for fd, sh in zip(self._fds, info.shards)],
+                    budget=pc_budget,
+                    rate=float(rate),
+                    rss_budget=rss,
+                    keep_warm=keep_warm,
+                    background=background_warm and backend == "auto" and not direct_forced,
+                )
         except BaseException:
+            b0 = getattr(self, "_backend", None)
+            if b0 is not None:
+                b0.close()
             if self._mapping is not None:
                 self._mapping.close()
             for fd in self._fds:
@@ -112,7 +157,21 @@ class LocalTable(RowTable):
         self.backend_name = backend
         b = self._backend
         self._auto: AutoBackend | None = b if isinstance(b, AutoBackend) else None
+        if self._auto is not None:
+            # A table that fits the page-cache budget is read buffered so reading warms it.
+            fits = self._tiers.fits if self._tiers is not None else True
+            self._auto.fits = fits and not direct_forced
+            # An RSS budget below the table: never serve from the mapping (its gathers would
+            # fault the table into this process's RSS); resident rows come by buffered reads.
+            mapped_bytes = self._tiers.length if self._tiers is not None else self.nbytes
+            self._auto.serve_mapped = rss is None or rss >= mapped_bytes
+        self._split = SplitDecision()
+        self._pool = BufferPool()
         self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
+        # fetch_into's fast path: batches the rule would not sample (auto), or small ones.
+        self._fast_rows = self._unsampled_rows or 256
+        self._mmap_only = b.name == "mmap"
+        self._base = self._mapping.address if isinstance(self._mapping, ShardMapping) else 0
         self._fd_array = np.asarray(self._fds, dtype=np.int32)
         self._scratch = threading.local()
         self._counters = {
@@ -121,6 +180,7 @@ class LocalTable(RowTable):
             "small_gathers": 0,
             "prefetched_gathers": 0,
         }
+        self._fast_counts = {"calls": 0, "rows": 0}  # fetch_into's fast path
         self._cache: RowCache | None = None
         self._prefetcher: Prefetcher | None = None
         self._bypasses = 0
@@ -199,7 +259,7 @@ class LocalTable(RowTable):
             self.check_open()
             seg.take(flat, out2d)
             return
-        (_take_serial if serial else take_rows)(self.array(), flat, out2d)
+        self._take_mapped(self.array(), flat, out2d, serial=serial)
 
     def scratch(self, name: str, nbytes: int) -> np.ndarray:
         """A reused per-thread uint8 buffer of ``nbytes`` for the caller's ``name`` (fresh
@@ -216,9 +276,8 @@ class LocalTable(RowTable):
         mapped (resident) state. Cheap: attribute reads only."""
         a = self._auto
         if a is not None:
-            return a.in_mapped_state and not a.suspect
-        b = self._backend
-        return b is not None and b.name == "mmap"
+            return a.mapped_ok
+        return self._mmap_only and self._backend is not None
 
     def resident_state(self) -> bool:
         """Whether the `auto` read rule last saw this table's pages resident (its mapped
@@ -251,45 +310,86 @@ class LocalTable(RowTable):
         io_uring/preadv for cold data); syscall paths dedupe and sort the reads. ``serial``
         keeps a large mapped gather on this thread (callers that run their own workers);
         ``chosen`` is the backend's pick when the caller already asked for it."""
-        if self._segments is not None:
-            take: Callable[..., None] = self._take_segments
-            self.check_open()
+        seg = self._segments
+        if seg is not None and seg.single is None:
+            self.check_open()  # rows assembled from several sources: no one mapped array
             table = self._table
+            assert table is not None
         else:
-            take = _take_serial if serial else take_rows
             table = self.array()
         backend = self._backend
         assert backend is not None
         if not backend.wants_plan and backend.name == "mmap":
-            take(table, flat, out2d)
+            self._take_mapped(table, flat, out2d, serial=serial)
             return
         n = flat.size
+        a = self._auto
+        if (
+            seg is None
+            and chosen is None
+            and a is not None
+            and a.mapped_ok
+            and n >= self._unsampled_rows
+        ):
+            # The rule's mapped-state check, without locating ids: rows sit at
+            # ``row * row_bytes`` in the back-to-back mapping, so 1 + n // 65536 evenly
+            # spread ids give their page addresses directly (one mincore each, ~2 us).
+            k = min(a.samples, 1 + n // 65536)
+            base, rb = self._base, self.row_bytes
+            addrs = [base + r * rb for r in flat[:: max(1, n // k)][:k].tolist()]
+            if resident_count(addrs) == k:
+                a.count_mapped()
+                self._take_mapped(table, flat, out2d, serial=serial, chosen=a.mapped)
+                return
+            # a miss: the rule samples again below and leaves its mapped state
         if chosen is None and n < self._unsampled_rows and self.mapped_state():
             # The rule would not sample a batch this small in the mapped state (a stray fault
             # costs it less than the check): skip locating it, ~3 us of a 16-row decode step.
             chosen = backend.choose(self._fd_array[:1], _NO_OFFSETS, batch_rows=n)
             if not chosen.wants_plan:  # still mapped (another thread may have moved the state)
-                t0 = time.perf_counter()
-                take(table, flat, out2d)
-                backend.feedback(chosen, n, time.perf_counter() - t0)
+                self._take_mapped(table, flat, out2d, serial=True, chosen=chosen)
                 return
         chosen = self._choose(flat) if chosen is None else chosen
-        t0 = time.perf_counter()
         if not chosen.wants_plan:
-            take(table, flat, out2d)
-        else:
-            plan = self.plan_for(flat)
-            scratch = self.scratch("reads", plan.scratch_bytes)
-            chosen.read(
-                self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
-            )
-            assemble(plan, scratch, out2d)
+            self._take_mapped(table, flat, out2d, serial=serial, chosen=chosen)
+            return
+        tiers = self._tiers
+        if tiers is not None and tiers.fits:
+            tiers.on_cold_read()  # a cold read of a table that fits: the background warm
+        t0 = time.perf_counter()
+        plan = self.plan_for(flat)
+        scratch = self.scratch("reads", plan.scratch_bytes)
+        chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
+        assemble(plan, scratch, out2d)
         backend.feedback(chosen, n, time.perf_counter() - t0)
 
-    def _take_segments(self, _table: Any, flat: np.ndarray, out2d: np.ndarray) -> None:
+    def _take_mapped(
+        self,
+        table: np.ndarray,
+        flat: np.ndarray,
+        out2d: np.ndarray,
+        *,
+        serial: bool = False,
+        chosen: Backend | None = None,
+    ) -> None:
+        """One gather from the mapping; a large one is split across the gather pool only
+        while observed timings say splitting pays (`SplitDecision`)."""
         seg = self._segments
-        assert seg is not None
-        seg.take(flat, out2d)
+        if seg is not None and seg.single is None:
+            t0 = time.perf_counter()
+            seg.take(flat, out2d)  # one gather per source column
+            dt = time.perf_counter() - t0
+        elif serial:
+            t0 = time.perf_counter()
+            np.take(table, flat, axis=0, out=out2d, mode="clip")
+            dt = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            self._split.take(table, flat, out2d)
+            dt = time.perf_counter() - t0
+        backend = self._backend
+        if chosen is not None and backend is not None:
+            backend.feedback(chosen, flat.size, dt)
 
     def _gather_tiered(self, cache: RowCache, flat: np.ndarray, out2d: np.ndarray) -> None:
         """A large batch through the RAM tier, or past it while the table is resident.
@@ -365,7 +465,7 @@ class LocalTable(RowTable):
             return
         pc = time.perf_counter
         t0 = pc()
-        np.take(self.array(), flat, axis=0, out=out2d, mode="clip")
+        self.array().take(flat, 0, out2d, "clip")
         dt = pc() - t0
         a = self._auto
         if a is not None and a.mapped is not None and dt * 1e6 > a.slow_us * flat.size:
@@ -383,6 +483,81 @@ class LocalTable(RowTable):
         c["fetch_calls"] += 1
         c["rows_fetched"] += flat.size
         c["prefetched_gathers"] += 1
+
+    # -- the read surface, with the mapped fast path -----------------------------------------
+    def fetch_into(self, rowids: Any, out: np.ndarray) -> np.ndarray:
+        """See `RowTable.fetch_into`. While the table is served from the mapping, a batch
+        of int64 ids below the rule's sampling size is one bounds check (plain Python for a
+        few ids) and one ``np.take``: no lock, no backend call."""
+        a = self._auto
+        if (
+            (a.mapped_ok if a is not None else self._mmap_only)
+            and self._cache is None
+            and self._prefetcher is None
+            and type(rowids) is np.ndarray
+            and type(out) is np.ndarray
+            and rowids.dtype is _I64
+            and out.dtype is _U8
+            and out.flags.carray  # C-contiguous, aligned and writable
+            and rowids.ndim == 1
+            and 0 < (n := rowids.shape[0]) < self._fast_rows
+            and out.shape == (n, self.row_bytes)
+        ):
+            if n <= _SMALL:
+                ids = rowids.tolist()
+                if min(ids) < 0 or max(ids) >= self.n_rows:
+                    check_bounds(rowids, self.n_rows)
+            else:
+                check_bounds(rowids, self.n_rows)
+            table = self._table
+            if table is None:
+                raise StoreClosed(f"table {self.name!r} is closed")
+            t0 = _clock()
+            table.take(rowids, 0, out, "clip")  # the method: no dispatch wrapper (~0.7 us)
+            dt = _clock() - t0
+            if a is not None and dt * 1e6 > a.slow_us * n:
+                a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
+            c = self._fast_counts
+            c["calls"] += 1
+            c["rows"] += n
+            return out
+        return RowTable.fetch_into(self, rowids, out)
+
+    def fetch(self, rowids: Any) -> np.ndarray:
+        """See `RowTable.fetch`; a large result comes from a pool of reused buffers (a
+        fresh large allocation faults every page), never one the caller still holds."""
+        self.check_open()
+        ids = rowids if type(rowids) is np.ndarray and rowids.dtype is _I64 else None
+        if ids is None:
+            return RowTable.fetch(self, rowids)
+        flat = ids.reshape(-1)
+        check_bounds(flat, self.n_rows, shape=ids.shape)
+        out = self._pool.empty(ids.shape + (self.row_bytes,), flat.size * self.row_bytes)
+        if flat.size:
+            self.gather(flat, out.reshape(-1, self.row_bytes))
+        return out
+
+    @property
+    def tiers(self) -> MappedTiers:
+        """The table's memory policy (page-cache budget, background warm, RSS budget,
+        ``mlock``, keep-warm); see `engramdb.io.tiers.MappedTiers`."""
+        t = self._tiers
+        if t is None:
+            self.check_open()
+            raise InvalidArgument(
+                f"table {self.name!r} is attached: its rows are read in place from the source "
+                "files, without the page-cache budget, RSS budget or keep-warm policy"
+            )
+        return t
+
+    @property
+    def split_decision(self) -> SplitDecision:
+        """Whether large mapped gathers are split across threads, from observed timings."""
+        return self._split
+
+    def pool_bytes(self) -> int:
+        """Bytes held by this thread's pool of reused result buffers."""
+        return self._pool.nbytes()
 
     # -- prefetch ----------------------------------------------------------------------------
     @property
@@ -421,8 +596,14 @@ class LocalTable(RowTable):
     # -- counters ----------------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
         """Calls and rows served so far (a copy): ``fetch_calls``, ``rows_fetched``,
-        ``small_gathers``, ``prefetched_gathers``."""
-        return dict(self._counters)
+        ``small_gathers`` (decode steps and `fetch_into`'s mapped fast path),
+        ``prefetched_gathers``."""
+        out = dict(self._counters)
+        f = self._fast_counts
+        out["fetch_calls"] += f["calls"]
+        out["rows_fetched"] += f["rows"]
+        out["small_gathers"] += f["calls"]
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -434,6 +615,9 @@ class LocalTable(RowTable):
             self._prefetcher.close()
         self._table = None
         self._auto = None
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None

@@ -1,0 +1,480 @@
+"""Memory tiers that manage themselves: the page-cache budget, a bounded-rate background
+warm, the RSS budget, ``mlock`` and the memory accounting behind ``Store.memory()``.
+
+* `page_cache_budget` — bytes a table may add to the page cache: ``MemAvailable`` minus a
+  safety margin (`safety_margin`: 5 % of ``MemTotal``, at least 512 MiB), or the caller's
+  value (``open(..., page_cache_budget="8G")``, or ``ENGRAMDB_PAGE_CACHE_BUDGET``).
+* `BackgroundWarm` — one sequential pass over a table's shards at a bounded rate (its own
+  descriptors, ``POSIX_FADV_WILLNEED`` per chunk, then
+  ``MADV_POPULATE_READ`` of the chunk so this process's page tables are filled too), skipping
+  resident chunks; it cancels itself when ``MemAvailable`` falls under the safety margin or
+  the bytes it added reach the budget, and on `cancel`.
+* `mapped_rss` / `process_rss` — this process's resident pages of a mapping (``/proc/self/
+  smaps``) and its ``VmRSS`` / ``RssAnon`` / ``RssFile``; `trim_mapped` drops this process's
+  page-table entries of a range (``MADV_DONTNEED``: the page cache itself stays, for other
+  processes and for a later minor fault).
+* `lock_range` — ``mlock`` with a typed `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import resource
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from engramdb.errors import InvalidArgument, MemoryLockRefused
+from engramdb.io.mapping import LIBC, MADV_DONTNEED, madvise, mincore, populate_range
+from engramdb.io.residency import resident_count
+from engramdb.layouts.geometry import PAGE
+from engramdb.units import parse_size
+
+__all__ = [
+    "BUDGET_ENV",
+    "BackgroundWarm",
+    "lock_range",
+    "mapped_rss",
+    "meminfo",
+    "page_cache_budget",
+    "parse_budget",
+    "process_rss",
+    "range_residency",
+    "safety_margin",
+    "trim_mapped",
+    "unlock_range",
+]
+
+#: Environment override of the default page-cache budget (a size: ``8G``, ``512M``, bytes).
+BUDGET_ENV = "ENGRAMDB_PAGE_CACHE_BUDGET"
+_MIN_MARGIN = 512 << 20
+_WILLNEED_STEP = 128 << 10  # the smallest common read_ahead_kb
+
+LIBC.mlock.restype = ctypes.c_int
+LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.munlock.restype = ctypes.c_int
+LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ``Cached``, ...)."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+def safety_margin(info: dict[str, int] | None = None) -> int:
+    """Memory the background warm and the default budget leave free: 5 % of ``MemTotal``,
+    at least 512 MiB."""
+    info = meminfo() if info is None else info
+    return max(_MIN_MARGIN, info.get("MemTotal", 0) // 20)
+
+
+def parse_budget(value: int | str | None, *, what: str = "page_cache_budget") -> int | None:
+    """A budget in bytes: an int ``>= 0`` or a size string (``"8G"``); ``None`` / ``"auto"``
+    mean the default (returned as None). Anything else is `InvalidArgument` naming it."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"{what} must be a size (bytes or e.g. '8G'), got {value!r}")
+    try:
+        return parse_size(value)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{what}: {e}") from None
+
+
+def page_cache_budget(value: int | str | None = None) -> int:
+    """Bytes a table may add to the page cache: ``value`` if given, else
+    ``ENGRAMDB_PAGE_CACHE_BUDGET`` if set, else ``MemAvailable - safety_margin()`` (>= 0)."""
+    b = parse_budget(value)
+    if b is not None:
+        return b
+    env = os.environ.get(BUDGET_ENV)
+    if env:
+        b = parse_budget(env, what=BUDGET_ENV)
+        if b is not None:
+            return b
+    info = meminfo()
+    return max(0, info.get("MemAvailable", 0) - safety_margin(info))
+
+
+def range_residency(addr: int, length: int) -> int:
+    """Resident page-cache pages of ``[addr, addr + length)`` inside a live mapping."""
+    if length <= 0:
+        return 0
+    pages = -(-length // PAGE)
+    vec = np.zeros(pages, dtype=np.uint8)
+    mincore(addr & ~(PAGE - 1), pages * PAGE, vec.ctypes.data)
+    return int(np.count_nonzero(vec & 1))
+
+
+# -- this process's memory ------------------------------------------------------------------
+_STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmLck")
+_RANGE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ", re.M)
+_RSS = re.compile(rb"^Rss:\s+(\d+) kB", re.M)
+
+
+def process_rss() -> dict[str, int]:
+    """This process's ``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``, ``RssShmem``, ``VmLck``
+    in bytes (``/proc/self/status``)."""
+    out = dict.fromkeys(_STATUS_KEYS, 0)
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in out:
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def mapped_rss(addr: int, length: int) -> int:
+    """Bytes of ``[addr, addr + length)`` mapped resident in this process (the ``Rss`` of
+    the ``/proc/self/smaps`` entries inside it; ~1 ms)."""
+    with open("/proc/self/smaps", "rb") as f:
+        text = f.read()
+    end = addr + length
+    total = 0
+    heads = list(_RANGE.finditer(text))
+    for i, m in enumerate(heads):
+        lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+        if hi <= addr or lo >= end:
+            continue
+        stop = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        r = _RSS.search(text, m.end(), stop)
+        if r is not None:
+            total += int(r.group(1)) * 1024
+    return total
+
+
+def trim_mapped(addr: int, length: int) -> None:
+    """Drop this process's page-table entries for ``[addr, addr + length)`` of a shared file
+    mapping (``MADV_DONTNEED``); the pages stay in the page cache."""
+    madvise(addr, length, MADV_DONTNEED)
+
+
+def lock_range(addr: int, length: int) -> None:
+    """``mlock`` a range (faults it in). Refused → `MemoryLockRefused` naming
+    ``RLIMIT_MEMLOCK`` and its current value."""
+    if length <= 0:
+        return
+    if LIBC.mlock(addr, length) != 0:
+        e = ctypes.get_errno()
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        lim = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        hint = (
+            f"RLIMIT_MEMLOCK is {lim}: raise it (ulimit -l, LimitMEMLOCK=, "
+            "--ulimit memlock=) or grant CAP_IPC_LOCK"
+        )
+        if e in (errno.EPERM, errno.ENOMEM, errno.EAGAIN):
+            raise MemoryLockRefused(e, f"mlock of {length} bytes refused: {hint}")
+        raise MemoryLockRefused(e, f"mlock of {length} bytes failed: {os.strerror(e)}; {hint}")
+
+
+def unlock_range(addr: int, length: int) -> None:
+    """``munlock`` a range locked by `lock_range` (errors ignored)."""
+    if length > 0:
+        LIBC.munlock(addr, length)
+
+
+# -- the background warm --------------------------------------------------------------------
+class BackgroundWarm:
+    """One bounded-rate sequential pass that brings a mapped table into the page cache and
+    this process's page tables, in a daemon thread.
+
+    ``base`` is the mapping's address; ``shards`` are ``(fd, nbytes)`` laid back to back in
+    it, each starting on a page boundary (a `ShardMapping`). ``rate`` bounds the bytes read
+    per second (the foreground keeps the rest of the device); ``budget`` bounds the bytes it
+    adds to the page cache; a chunk is not read while ``MemAvailable`` is under ``margin``.
+    ``state`` is ``"idle"``, ``"running"``, ``"done"`` or ``"cancelled"`` (``reason`` says
+    why: ``"memory pressure"``, ``"budget"``, ``"cancelled"``, or the error)."""
+
+    def __init__(
+        self,
+        base: int,
+        shards: Sequence[tuple[int, int]],
+        *,
+        rate: float,
+        budget: int,
+        margin: int | None = None,
+        chunk: int = 16 << 20,
+        populate: bool = True,
+    ) -> None:
+        if rate <= 0 or chunk < PAGE or chunk % PAGE:
+            raise InvalidArgument("warm rate must be > 0 and chunk a positive page multiple")
+        self.base = int(base)
+        self.shards = [(int(fd), int(n)) for fd, n in shards]
+        self.rate = float(rate)
+        self.budget = int(budget)
+        self.margin = safety_margin() if margin is None else int(margin)
+        self.chunk = int(chunk)
+        self.populate = bool(populate)  # also fill this process's page tables per chunk
+        self.state = "idle"
+        self.reason = ""
+        self.bytes_read = 0  # bytes read from files (skipped resident chunks not counted)
+        self.bytes_added = 0  # page-cache pages this pass brought in, in bytes
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def start(self) -> bool:
+        """Start a pass unless one is running; returns whether one was started."""
+        with self._lock:
+            if self.state == "running":
+                return False
+            self._stop.clear()
+            self.state, self.reason = "running", ""
+            self.bytes_read = self.bytes_added = 0
+            self._thread = threading.Thread(target=self._run, name="engramdb-warm", daemon=True)
+            self._thread.start()
+            return True
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the pass at the next chunk and wait for it (idempotent)."""
+        with self._lock:
+            t = self._thread
+            if self.state == "running":
+                self.reason = reason
+            self._stop.set()
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the pass; returns whether it has finished."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    def _finish(self, state: str, reason: str = "") -> None:
+        with self._lock:
+            self.state = state
+            if reason and not self.reason:
+                self.reason = reason
+            self.passes += 1
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            pos = self.base
+            for fd, size in self.shards:
+                own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.posix_fadvise(own, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    for off in range(0, size, self.chunk):
+                        if self._stop.is_set():
+                            self._finish("cancelled", "cancelled")
+                            return
+                        n = min(self.chunk, size - off)
+                        addr = pos + off
+                        have = range_residency(addr, n)
+                        missing = -(-n // PAGE) - have
+                        if missing:
+                            if meminfo().get("MemAvailable", 0) < self.margin:
+                                self._finish("cancelled", "memory pressure")
+                                return
+                            if self.bytes_added + missing * PAGE > self.budget:
+                                self._finish("cancelled", "budget")
+                                return
+                            # Read-ahead requests (capped at read_ahead_kb each, so in
+                            # small steps); no buffer of our own, no anonymous memory.
+                            for sub in range(off, off + n, _WILLNEED_STEP):
+                                step = min(_WILLNEED_STEP, off + n - sub)
+                                os.posix_fadvise(own, sub, step, os.POSIX_FADV_WILLNEED)
+                            if not self.populate:  # wait for the chunk's last page
+                                os.pread(own, 1, off + n - 1)
+                            self.bytes_read += n
+                            self.bytes_added += missing * PAGE
+                        if self.populate:  # this process's page tables (cheap when hot)
+                            populate_range(addr, n)
+                        # Rate bound: never ahead of rate * elapsed.
+                        ahead = self.bytes_read / self.rate - (time.monotonic() - t0)
+                        if ahead > 0 and self._stop.wait(ahead):
+                            self._finish("cancelled", "cancelled")
+                            return
+                finally:
+                    os.close(own)
+                pos += -(-size // PAGE) * PAGE
+        except Exception as e:  # a vanished file, an unreadable page: stop, say why
+            self._finish("cancelled", f"{type(e).__name__}: {e}")
+            return
+        self._finish("done")
+
+
+# -- one mapped table's memory --------------------------------------------------------------
+class MappedTiers:
+    """The memory policy of one mapped table: whether it fits the page-cache budget, the
+    background warm started by its first cold read, the RSS budget, ``mlock`` and the
+    keep-warm watcher.
+
+    ``base``/``length`` are the table mapping; ``shards`` its ``(fd, nbytes)`` back to back.
+    ``budget`` is the page-cache budget (None: `page_cache_budget()` at each decision),
+    ``rate`` the background warm's bytes per second, ``rss_budget`` the most bytes of the
+    mapping this process keeps mapped resident (None: no bound), ``keep_warm`` re-warms after
+    residency loss. A watcher thread runs only when ``rss_budget`` or ``keep_warm`` is set,
+    every ``interval`` seconds."""
+
+    def __init__(
+        self,
+        base: int,
+        length: int,
+        shards: Sequence[tuple[int, int]],
+        *,
+        budget: int | None,
+        rate: float,
+        rss_budget: int | None = None,
+        keep_warm: bool = False,
+        background: bool = True,
+        interval: float = 0.25,
+    ) -> None:
+        self.base = int(base)
+        self.length = int(length)
+        self.budget_option = budget
+        self.rss_budget = rss_budget
+        self.keep_warm = bool(keep_warm)
+        self.background = bool(background)
+        self.interval = float(interval)
+        self.fits = self._fits()
+        populate = rss_budget is None or rss_budget >= self.length
+        self.warm = BackgroundWarm(
+            self.base, shards, rate=rate, budget=self.budget(), populate=populate
+        )
+        self.warm_starts = 0
+        self.trimmed_bytes = 0
+        self.trims = 0
+        self.locked_bytes = 0
+        self._hand = 0  # where the next RSS trim starts (a clock over the mapping)
+        self._trim_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if rss_budget is not None or self.keep_warm:
+            self._watcher = threading.Thread(target=self._watch, name="engramdb-tiers", daemon=True)
+            self._watcher.start()
+
+    def budget(self) -> int:
+        """The page-cache budget in bytes now (the option, else the default)."""
+        return page_cache_budget(self.budget_option)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the table in the page cache (``mincore``; the last page counted up to
+        the table's end)."""
+        return min(self.length, range_residency(self.base, self.length) * PAGE)
+
+    def sampled_residency(self, samples: int = 256) -> float:
+        """Share of ``samples`` evenly spread pages of the table in the page cache (one
+        ``mincore`` each: ~0.5 ms for 256, whatever the table's size)."""
+        pages = -(-self.length // PAGE)
+        if pages == 0:
+            return 1.0
+        k = min(samples, pages)
+        addrs = [self.base + (i * (pages - 1) // max(1, k - 1)) * PAGE for i in range(k)]
+        return resident_count(addrs) / k
+
+    def _fits(self) -> bool:
+        missing = max(0, self.length - self.resident_bytes())
+        return missing <= self.budget()
+
+    # -- the background warm ------------------------------------------------------------------
+    def on_cold_read(self) -> None:
+        """A batch went to the device: start the background warm once, if the table fits."""
+        if self.background and self.fits and self.warm.state == "idle":
+            self.start_warm()
+
+    def start_warm(self) -> bool:
+        """Start a background warm pass (skips resident chunks); whether one started."""
+        self.warm.budget = self.budget()
+        started = self.warm.start()
+        self.warm_starts += started
+        return started
+
+    # -- RSS budget ---------------------------------------------------------------------------
+    def mapped_rss(self) -> int:
+        return mapped_rss(self.base, self.length)
+
+    def trim(self) -> int:
+        """Drop this process's mapped pages of the table beyond ``rss_budget`` (to 90 % of
+        it), a window at a time from a rotating hand; returns the bytes of address range
+        dropped. The page cache keeps the pages (a later touch is a minor fault)."""
+        limit = self.rss_budget
+        if limit is None:
+            return 0
+        with self._trim_lock:
+            dropped = 0
+            for _ in range(4):
+                rss = self.mapped_rss()
+                target = int(limit * 0.9)
+                if rss <= limit and dropped == 0:
+                    return 0
+                if rss <= target:
+                    break
+                density = max(rss / self.length, 1e-9)
+                span = min(self.length, -(-int((rss - target) / density) // PAGE) * PAGE)
+                start = self._hand
+                first = min(span, self.length - start)
+                trim_mapped(self.base + start, first)
+                if span > first:
+                    trim_mapped(self.base, span - first)
+                self._hand = (start + span) % max(PAGE, self.length)
+                self._hand -= self._hand % PAGE
+                dropped += span
+            self.trimmed_bytes += dropped
+            self.trims += 1
+            return dropped
+
+    # -- mlock --------------------------------------------------------------------------------
+    def lock(self, budget: int | None = None) -> int:
+        """``mlock`` the table (faults it in), or its first ``budget`` bytes; returns the
+        bytes locked. Refused → `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``."""
+        n = self.length
+        if budget is not None and budget < self.length:
+            n = int(budget) - int(budget) % PAGE
+        if n > self.locked_bytes:
+            lock_range(self.base, n)
+            self.locked_bytes = n
+        return self.locked_bytes
+
+    def unlock(self) -> None:
+        if self.locked_bytes:
+            unlock_range(self.base, self.locked_bytes)
+            self.locked_bytes = 0
+
+    # -- the watcher --------------------------------------------------------------------------
+    def check(self) -> None:
+        """One watcher step: trim to the RSS budget; with ``keep_warm``, re-warm when pages
+        were lost and the table still fits."""
+        if self.rss_budget is not None:
+            self.trim()
+        if self.keep_warm and not self.warm.running:
+            if self.sampled_residency() < 1.0:
+                self.fits = self._fits()
+                if self.fits:
+                    self.start_warm()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # the mapping went away under us: stop watching
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.warm.cancel("closed")
+        w = self._watcher
+        if w is not None and w is not threading.current_thread():
+            w.join()
+        self.unlock()

@@ -1,0 +1,396 @@
+"""Memory tiers that manage themselves: the read rule's inputs, the page-cache budget, the
+background warm, `Store.memory()`, the RSS budget, mlock, keep-warm, the mapped fast path,
+pooled results and the measured split decision. No assertion depends on timing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb.errors import InvalidArgument, MemoryLockRefused, RowIdOutOfRange
+from engramdb.io import IoUringBackend, choose_backend
+from engramdb.io.gather import SplitDecision
+from engramdb.io.tiers import (
+    BUDGET_ENV,
+    BackgroundWarm,
+    meminfo,
+    page_cache_budget,
+    parse_budget,
+    process_rss,
+    safety_margin,
+)
+from engramdb.testing.pages import drop_mapped_pages, evict
+
+ROW = 160
+
+
+def _rows(n: int) -> np.ndarray:
+    j = np.arange(ROW, dtype=np.int64)
+    return ((np.arange(n, dtype=np.int64)[:, None] * 131 + j * 7) & 255).astype(np.uint8)
+
+
+@pytest.fixture
+def cold_db(tmp_path: Path) -> tuple[Path, np.ndarray]:
+    data = _rows(50_000)  # 8 MB
+    engramdb.build(tmp_path, "t", ROW, [data])
+    for p in tmp_path.rglob("*.edb"):
+        evict(p)
+    return tmp_path, data
+
+
+def _cold(store: engramdb.Store) -> None:
+    drop_mapped_pages(store.array())
+    for p in store.db_path.rglob("*.edb"):
+        evict(p)
+
+
+# -- the rule as a pure function ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("resident", "mapped", "io_uring", "direct", "fits", "choice"),
+    [
+        (1.0, True, True, True, True, "mmap"),
+        (1.0, True, True, True, False, "mmap"),
+        (1.0, True, False, True, True, "mmap"),
+        (0.0, True, True, True, False, "io_uring_direct"),  # cannot fit: O_DIRECT
+        (0.0, True, True, True, True, "io_uring"),  # fits: buffered, reading warms it
+        (0.0, True, True, False, False, "io_uring"),  # O_DIRECT does not pay / not allowed
+        (0.5, True, True, True, False, "io_uring"),  # partly resident: buffered
+        (0.5, True, True, True, True, "io_uring"),
+        (0.0, True, False, True, False, "preadv"),
+        (0.99, True, False, True, True, "preadv"),
+        (1.0, False, True, True, True, "io_uring"),  # no mapping: no residency information
+    ],
+)
+def test_choose_backend_table(
+    resident: float, mapped: bool, io_uring: bool, direct: bool, fits: bool, choice: str
+) -> None:
+    got = choose_backend(resident, mapped=mapped, io_uring=io_uring, direct=direct, fits=fits)
+    assert got == choice
+
+
+# -- budgets ------------------------------------------------------------------------------
+def test_budget_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_budget(None) is None and parse_budget("auto") is None
+    assert parse_budget("8G") == 8 << 30 and parse_budget(4096) == 4096
+    for bad in (-1, True, 1.5, "lots", [1]):
+        with pytest.raises(InvalidArgument):
+            parse_budget(bad)  # type: ignore[arg-type]
+    assert page_cache_budget("1G") == 1 << 30
+    monkeypatch.setenv(BUDGET_ENV, "3M")
+    assert page_cache_budget() == 3 << 20
+    monkeypatch.delenv(BUDGET_ENV)
+    info = meminfo()
+    assert 0 <= page_cache_budget() <= info["MemAvailable"]
+    assert safety_margin(info) >= 512 << 20
+
+
+def test_open_rejects_a_bad_budget(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    for kw in ({"page_cache_budget": "much"}, {"rss_budget": -5}, {"warm_rate": 0}):
+        with engramdb.open(path, **kw) as db, pytest.raises(InvalidArgument):
+            db["t"]
+
+
+# -- the read policy ----------------------------------------------------------------------
+io_uring_only = pytest.mark.skipif(
+    not IoUringBackend.availability()[0], reason="io_uring unavailable here"
+)
+
+
+@io_uring_only
+def test_a_table_that_fits_is_read_buffered_and_warmed(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, data = cold_db
+    with engramdb.open(path) as db:
+        s = db["t"]
+        assert s.memory()["fits"] and s.residency() < 0.01
+        ids = np.random.default_rng(0).integers(0, s.n_rows, 4096)
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"io_uring": 1}  # buffered, not O_DIRECT
+        assert s.tiers.warm.wait(60)
+        m = s.memory()
+        assert m["warm"]["state"] == "done" and m["warm"]["starts"] == 1
+        assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
+        assert m["rss_file_bytes"] >= 0.9 * s.nbytes  # populated: this process maps it
+        assert np.array_equal(s.fetch(ids), data[ids])
+
+
+@io_uring_only
+def test_a_table_over_budget_reads_direct_and_does_not_warm(
+    cold_db: tuple[Path, np.ndarray],
+) -> None:
+    path, data = cold_db
+    with engramdb.open(path, page_cache_budget="1M") as db:
+        s = db["t"]
+        assert not s.memory()["fits"]
+        ids = np.random.default_rng(1).integers(0, s.n_rows, 4096)
+        for _ in range(3):
+            assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"io_uring_direct": 3}
+        m = s.memory()
+        assert m["warm"]["state"] == "idle"
+        assert m["page_cache_resident_bytes"] <= 1 << 20  # O_DIRECT left the cache alone
+
+
+@io_uring_only
+def test_direct_true_is_the_callers_choice(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, data = cold_db
+    with engramdb.open(path, direct=True) as db:
+        s = db["t"]
+        ids = np.arange(0, s.n_rows, 97)
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"io_uring_direct": 1}
+        assert s.memory()["warm"]["state"] == "idle"
+
+
+def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
+        w = BackgroundWarm(
+            int(s.array().ctypes.data), shards, rate=1e12, budget=256 << 10, chunk=64 << 10
+        )
+        w.start()
+        assert w.wait(60)
+        assert (w.state, w.reason) == ("cancelled", "budget")
+        assert 0 < w.bytes_added <= 256 << 10
+        assert s.residency() * s.nbytes <= (256 << 10) + (64 << 10)
+
+
+def test_background_warm_cancels(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
+        # 1 KiB/s: after its first 64 KiB chunk the pass waits a minute for the rate bound.
+        w = BackgroundWarm(
+            int(s.array().ctypes.data), shards, rate=1024, budget=1 << 40, chunk=64 << 10
+        )
+        w.start()
+        w.cancel()
+        assert w.wait(10) and (w.state, w.reason) == ("cancelled", "cancelled")
+        assert w.bytes_read <= 64 << 10
+        # and under memory pressure (a margin above what is available) it reads nothing
+        w2 = BackgroundWarm(
+            int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40, margin=1 << 60
+        )
+        w2.start()
+        assert w2.wait(10) and (w2.state, w2.reason) == ("cancelled", "memory pressure")
+        assert w2.bytes_read == 0
+
+
+# -- memory accounting and budgets --------------------------------------------------------
+def test_memory_fields(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    with engramdb.open(path, ram_budget="1M", background_warm=False) as db:
+        s = db["t"]
+        m = s.memory()
+        assert m["table_bytes"] == s.nbytes == 50_000 * ROW
+        assert m["ram_tier_bytes"] == s.cache.nbytes > 0  # type: ignore[union-attr]
+        assert m["rss_anon_bytes"] >= m["ram_tier_bytes"]
+        assert m["rss_file_bytes"] == 0 and m["page_cache_resident_bytes"] < s.nbytes // 10
+        assert m["rss_budget"] is None and m["locked_bytes"] == 0
+        assert set(m["process"]) >= {"VmRSS", "RssAnon", "RssFile"}
+        s.populate()
+        m = s.memory()
+        assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
+        assert m["rss_file_bytes"] >= s.nbytes - 4096
+
+
+def test_rss_budget_trims_mapped_pages(tmp_path: Path) -> None:
+    data = _rows(200_000)  # 32 MB
+    engramdb.build(tmp_path, "t", ROW, [data])
+    with engramdb.open(tmp_path, rss_budget="8M") as db:
+        s = db["t"]
+        s.populate()
+        before = process_rss()["VmRSS"]
+        assert s.tiers.mapped_rss() >= 30 << 20 or s.memory()["rss_file_bytes"] <= 8 << 20
+        s.tiers.trim()
+        assert s.memory()["rss_file_bytes"] <= 8 << 20
+        assert process_rss()["VmRSS"] <= before - (16 << 20) or s.tiers.trims > 1
+        assert s.residency() > 0.99  # the page cache kept the pages
+        rng = np.random.default_rng(2)
+        for _ in range(5):  # a random workload over the whole table
+            ids = rng.integers(0, s.n_rows, 20_000)
+            assert np.array_equal(s.fetch(ids), data[ids])
+        # resident rows came by buffered reads, not mapped gathers: the budget held
+        assert "mmap" not in s.stats()["choices"]
+        assert s.memory()["rss_file_bytes"] <= 8 << 20
+
+
+def test_rss_budget_drops_vmrss(tmp_path: Path) -> None:
+    """VmRSS itself falls once the mapping is trimmed (checked in a fresh process)."""
+    engramdb.build(tmp_path, "t", ROW, [_rows(200_000)])
+    script = textwrap.dedent(
+        f"""
+        import engramdb
+        from engramdb.io.tiers import process_rss
+        db = engramdb.open({str(tmp_path)!r}, rss_budget="4M", background_warm=False)
+        s = db["t"]
+        s.populate()
+        a = process_rss()["VmRSS"]
+        s.tiers.trim()
+        b = process_rss()["VmRSS"]
+        print(a, b, s.memory()["rss_file_bytes"])
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    a, b, mapped = (int(v) for v in out)
+    assert a - b >= 24 << 20 and mapped <= 4 << 20
+
+
+def test_lock_within_a_budget(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        try:
+            n = s.tiers.lock(64 << 10)
+        except MemoryLockRefused as e:
+            assert "RLIMIT_MEMLOCK" in str(e)
+            return
+        assert n == 64 << 10 and s.memory()["locked_bytes"] == 64 << 10
+        assert process_rss()["VmLck"] >= 64 << 10
+        s.tiers.unlock()
+        assert s.memory()["locked_bytes"] == 0
+
+
+def test_lock_refused_is_typed_and_names_the_limit(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, _ = cold_db
+    script = textwrap.dedent(
+        f"""
+        import os, resource, engramdb
+        from engramdb.errors import MemoryLockRefused
+        db = engramdb.open({str(path)!r}, background_warm=False)
+        s = db["t"]
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+        if os.geteuid() == 0:
+            os.setgid(65534); os.setuid(65534)  # drop CAP_IPC_LOCK
+        try:
+            s.tiers.lock()
+            print("locked")
+        except MemoryLockRefused as e:
+            print("refused", e)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused") and "RLIMIT_MEMLOCK" in r.stdout, r.stdout
+
+
+def test_keep_warm_rewarms_after_residency_loss(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, data = cold_db
+    with engramdb.open(path, keep_warm=True, background_warm=False) as db:
+        s = db["t"]
+        s.populate()
+        _cold(s)
+        assert s.residency() < 0.5
+        s.tiers.check()  # what the watcher does every interval
+        assert s.tiers.warm_starts >= 1 and s.tiers.warm.wait(60)
+        assert s.residency() > 0.99
+        ids = np.arange(0, s.n_rows, 13)
+        assert np.array_equal(s.fetch(ids), data[ids])
+
+
+# -- the warm path ------------------------------------------------------------------------
+def test_small_fetch_into_fast_path_checks_bounds(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, data = cold_db
+    with engramdb.open(path, backend="mmap") as db:
+        s = db["t"]
+        out = np.zeros((16, ROW), np.uint8)
+        ids = np.arange(16, dtype=np.int64) * 3000
+        s.fetch_into(ids, out)
+        assert np.array_equal(out, data[ids]) and s.counters()["small_gathers"] == 1
+        for bad in (-1, s.n_rows):
+            b = ids.copy()
+            b[5] = bad
+            out[:] = 0
+            with pytest.raises(RowIdOutOfRange, match=f"{bad}"):
+                s.fetch_into(b, out)
+            assert not out.any()  # nothing written
+        many = np.arange(100, dtype=np.int64)
+        many[-1] = s.n_rows + 7
+        with pytest.raises(RowIdOutOfRange):
+            s.fetch_into(many, np.zeros((100, ROW), np.uint8))
+
+
+def test_pooled_fetch_never_reuses_a_held_result(cold_db: tuple[Path, np.ndarray]) -> None:
+    path, data = cold_db
+    with engramdb.open(path, backend="mmap") as db:
+        s = db["t"]
+        rng = np.random.default_rng(5)
+        a_ids, b_ids = rng.integers(0, s.n_rows, (2, 4096))
+        a = s.fetch(a_ids)
+        b = s.fetch(b_ids)
+        assert not np.shares_memory(a, b)
+        assert np.array_equal(a, data[a_ids]) and np.array_equal(b, data[b_ids])
+        view = b[10:20]
+        del b
+        c = s.fetch(a_ids)  # b's buffer is still referenced by a view: not reused
+        assert not np.shares_memory(c, view) and np.array_equal(view, data[b_ids][10:20])
+        del a, c, view
+        held = s.pool_bytes()
+        for _ in range(10):
+            r = s.fetch(rng.integers(0, s.n_rows, 4096))
+            del r
+        assert s.pool_bytes() == held  # dropped results were reused, not reallocated
+
+
+def test_split_decision_follows_observed_timings() -> None:
+    d = SplitDecision()
+    d.allowed = True
+    for _ in range(64):  # splitting measured 3x faster
+        split = d.pick()
+        d.report(split, 1000, 1e-4 if split else 3e-4)
+    assert d.split
+    d2 = SplitDecision()
+    d2.allowed = True
+    for _ in range(64):  # splitting measured slower: stays serial, explores less often
+        split = d2.pick()
+        d2.report(split, 1000, 3e-4 if split else 1e-4)
+    assert not d2.split and d2.every > 16
+    d3 = SplitDecision()
+    d3.allowed = False
+    assert not any(d3.pick() for _ in range(100))
+
+
+def test_os_is_linux() -> None:
+    assert os.path.exists("/proc/self/smaps")
+
+
+# -- the CLI ------------------------------------------------------------------------------
+def _cli(*args: object) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_build_warm_info_memory_and_warm_hold(tmp_path: Path) -> None:
+    src = tmp_path / "rows.npy"
+    np.save(src, _rows(20_000))
+    db = tmp_path / "db"
+    code, out = _cli("build", db, src, "-t", "t", "-r", ROW, "--warm", "-q")
+    assert code == 0, out
+    assert "warmed 't'" in out and "-> 100%" in out
+    code, out = _cli("info", db, "--memory")
+    assert code == 0 and "100.0%" in out and "fits" in out, out
+    code, out = _cli("info", db, "--memory", "--page-cache-budget", "1K", "--json")
+    assert code == 0, out
+    assert '"page_cache_budget": 1024' in out
+    code, out = _cli("warm", db, "--watch", "--seconds", "0.1", "-q")
+    assert code == 0 and "held 't'" in out, out
+    code, out = _cli("warm", db, "--lock-budget", "1M", "-q")
+    assert code != 0 and "--lock-budget applies to --lock" in out
+    code, out = _cli("warm", db, "--lock", "--lock-budget", "64K", "--seconds", "0", "-q")
+    assert code == 0 and ("locked 0.00 GB" in out or "RLIMIT_MEMLOCK" in out), out
