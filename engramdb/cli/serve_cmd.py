@@ -82,6 +82,21 @@ _D = Limits()
     help="Seconds before an idle keep-alive connection is closed.",
 )
 @click.option(
+    "--header-timeout",
+    type=float,
+    default=_D.header_timeout,
+    show_default=True,
+    help="Seconds a request head / wire frame header may take once begun, and a new "
+    "connection to complete its first request or HELLO (bytes do not extend it).",
+)
+@click.option(
+    "--max-connections-per-peer",
+    type=int,
+    default=_D.max_connections_per_peer,
+    show_default=True,
+    help="Open connections of one TCP peer address; more are refused with a 503.",
+)
+@click.option(
     "--grace",
     type=float,
     default=10.0,
@@ -119,6 +134,8 @@ def serve(
     max_response: str,
     max_connections: int,
     idle_timeout: float,
+    header_timeout: float,
+    max_connections_per_peer: int,
     grace: float,
     wire: bool,
     spin_us: float,
@@ -146,6 +163,8 @@ def serve(
         max_response_bytes=parse_size(max_response),
         max_connections=max_connections,
         idle_timeout=idle_timeout,
+        header_timeout=header_timeout,
+        max_connections_per_peer=max_connections_per_peer,
     )
     server = Server(
         db,

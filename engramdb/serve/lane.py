@@ -49,12 +49,20 @@ log = logging.getLogger("engramdb.serve")
 DEFAULT_SPIN_US = 200.0
 
 _RECV_MIN = 64 * 1024
+#: Receive buffer of a connection before HELLO: one request header and the largest HELLO
+#: payload. Nothing larger is allocated for a peer that has not authenticated.
+PREAUTH_BUF = REQUEST.size + MAX_HELLO_BYTES
 
 
 class _WireConnection:
     """One wire connection: a receive buffer, a reusable response buffer, the unsent rest of
     the last response. One request is answered at a time (reading pauses while a reply is
-    gathered off-thread or cannot be sent at once)."""
+    gathered off-thread or cannot be sent at once).
+
+    Before HELLO the receive buffer is `PREAUTH_BUF` bytes and any other frame is refused
+    from its header alone; after it, the buffer grows with the bytes that actually arrived
+    (doubling, up to the frame's length, itself bounded by ``max_body_bytes``), never to a
+    length a header merely claims."""
 
     __slots__ = (
         "lane",
@@ -71,13 +79,24 @@ class _WireConnection:
         "closed",
         "mask",
         "last_active",
+        "peer",
+        "born",
+        "frame_since",
     )
 
-    def __init__(self, lane: WireLane, sock: socket.socket, initial: bytes):
+    def __init__(
+        self,
+        lane: WireLane,
+        sock: socket.socket,
+        initial: bytes,
+        peer: str | None = None,
+        born: float | None = None,
+    ):
         self.lane = lane
         self.sock = sock
         self.fd = sock.fileno()
-        self.buf = bytearray(max(_RECV_MIN, len(initial)))
+        self.peer = peer
+        self.buf = bytearray(max(PREAUTH_BUF, len(initial)))
         self.view = memoryview(self.buf)
         self.buf[: len(initial)] = initial
         self.have = len(initial)
@@ -89,6 +108,17 @@ class _WireConnection:
         self.closed = False
         self.mask = 0
         self.last_active = time.monotonic()
+        self.born = self.last_active if born is None else born
+        self.frame_since = 0.0  # when the pending (incomplete) frame header began
+
+    def expired(self, now: float, header_timeout: float) -> bool:
+        """A deadline passed: HELLO not done ``header_timeout`` after the connection came, or
+        a frame header (a whole frame before HELLO) pending longer than that."""
+        if self.busy:
+            return False
+        if not self.hello:
+            return now - self.born > header_timeout
+        return bool(self.frame_since) and now - self.frame_since > header_timeout
 
     # -- events -------------------------------------------------------------------------------
     def watch(self, mask: int) -> None:
@@ -141,11 +171,17 @@ class _WireConnection:
         while not self.busy and not self.closed:
             have = self.have
             if have < REQUEST.size:
+                if have and not self.frame_since:
+                    self.frame_since = time.monotonic()
                 return
+            self.frame_since = 0.0
             magic, op, ndim, _flags, table, _res, length = REQUEST.unpack_from(self.buf, 0)
             if magic != REQUEST_MAGIC or op not in OPS:
                 what = f"magic {bytes(magic)!r}" if magic != REQUEST_MAGIC else f"op {op}"
                 self.fatal(P.MalformedRequest(f"not a wire-protocol frame ({what})"))
+                return
+            if op != OP_HELLO and not self.hello:  # refused from the header alone
+                self.fatal(P.AuthenticationFailed("the first frame of a connection must be HELLO"))
                 return
             limit = MAX_HELLO_BYTES if op == OP_HELLO else limits.max_body_bytes + 8 * P.MAX_NDIM
             if length > limit:
@@ -158,8 +194,9 @@ class _WireConnection:
                 return
             end = REQUEST.size + length
             if have < end:
-                if end > len(self.buf):  # grow for a large request (bounded by the limit)
-                    grown = bytearray(end)
+                if have == len(self.buf):
+                    # full: grow with what arrived (doubling), never to a length only claimed
+                    grown = bytearray(min(end, max(2 * len(self.buf), _RECV_MIN)))
                     grown[:have] = self.view[:have]
                     self.buf = grown
                     self.view = memoryview(grown)
@@ -168,9 +205,6 @@ class _WireConnection:
             payload = self.view[REQUEST.size : end]
             if op == OP_HELLO:
                 self.on_hello(payload)
-            elif not self.hello:
-                self.fatal(P.AuthenticationFailed("the first frame of a connection must be HELLO"))
-                return
             else:
                 self.on_rows(op, ndim, table, payload, t0)
             if self.close_after:  # fatal(): nothing after this frame is read
@@ -195,6 +229,12 @@ class _WireConnection:
             self.fatal(P.AuthenticationFailed(f"this server needs {what} in HELLO"), "hello")
             return
         self.hello = True
+        self.lane.proven(self)
+        if len(self.buf) < _RECV_MIN:  # authenticated: the working buffer size
+            grown = bytearray(_RECV_MIN)
+            grown[: self.have] = self.view[: self.have]
+            self.buf = grown
+            self.view = memoryview(grown)
         doc = {
             "tables": list(self.lane.names),
             "generation": ctx.db.manifest.generation,
@@ -346,6 +386,7 @@ class _WireConnection:
             self.lane.ep.unregister(self.fd)
         with contextlib.suppress(OSError):
             self.sock.close()
+        self.lane.ctx.release_peer(self.peer)
         self.lane.forget(self)
 
 
@@ -366,7 +407,12 @@ class WireLane:
         self._stores: list[Store | None] = [None] * len(self.names)
         self.ep = select.epoll()
         self.conns: dict[int, _WireConnection] = {}
-        self._inbox: collections.deque[tuple[socket.socket, bytes]] = collections.deque()
+        self._inbox: collections.deque[tuple[socket.socket, bytes, str | None, float]] = (
+            collections.deque()
+        )
+        #: connections without HELLO yet, oldest first (lane thread only)
+        self._unproven: dict[int, _WireConnection] = {}
+        self._evictions: collections.deque[int] = collections.deque()
         self._done: collections.deque[Job] = collections.deque()
         self._jobs = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -378,6 +424,19 @@ class WireLane:
     @property
     def n_connections(self) -> int:
         return len(self.conns) + len(self._inbox)
+
+    @property
+    def n_unproven(self) -> int:
+        """Connections that have not completed HELLO (read from any thread: approximate)."""
+        return len(self._unproven) + len(self._inbox)
+
+    def proven(self, conn: _WireConnection) -> None:
+        self._unproven.pop(conn.fd, None)
+
+    def evict_unproven(self) -> None:
+        """Ask the lane to close its oldest connection without HELLO (any thread)."""
+        self._evictions.append(1)
+        self._wake()
 
     @property
     def in_flight(self) -> int:
@@ -392,10 +451,13 @@ class WireLane:
     def start(self) -> None:
         self._thread.start()
 
-    def adopt(self, sock: socket.socket, initial: bytes) -> None:
-        """Take over ``sock`` (non-blocking), whose first bytes ``initial`` were already read.
-        Called from the asyncio thread."""
-        self._inbox.append((sock, initial))
+    def adopt(
+        self, sock: socket.socket, initial: bytes, peer: str | None = None, born: float = 0.0
+    ) -> None:
+        """Take over ``sock`` (non-blocking), whose first bytes ``initial`` were already read
+        (``peer``: its counted TCP address; ``born``: when it was accepted). Called from the
+        asyncio thread."""
+        self._inbox.append((sock, initial, peer, born or time.monotonic()))
         self._wake()
 
     def submit(self, job: Job) -> None:
@@ -415,6 +477,8 @@ class WireLane:
 
     def forget(self, conn: _WireConnection) -> None:
         self.conns.pop(conn.fd, None)
+        if self._unproven.get(conn.fd) is conn:
+            del self._unproven[conn.fd]
 
     def stop(self, grace: float) -> None:
         """Finish what is in flight (up to ``grace`` seconds), close every connection, end
@@ -439,8 +503,9 @@ class WireLane:
             for conn in list(self.conns.values()):
                 conn.close()
             while self._inbox:
-                sock, _ = self._inbox.popleft()
+                sock, _, peer, _ = self._inbox.popleft()
                 sock.close()
+                self.ctx.release_peer(peer)
             self.ep.close()
 
     def _loop(self) -> None:
@@ -504,13 +569,19 @@ class WireLane:
             job = self._done.popleft()
             self._jobs -= 1
             job.owner.finished(job)
+        while self._evictions:
+            self._evictions.popleft()
+            if self._unproven:
+                next(iter(self._unproven.values())).close()
         while self._inbox:
-            sock, initial = self._inbox.popleft()
+            sock, initial, peer, born = self._inbox.popleft()
             if self._stopping:
                 sock.close()
+                self.ctx.release_peer(peer)
                 continue
-            conn = _WireConnection(self, sock, initial)
+            conn = _WireConnection(self, sock, initial, peer, born)
             self.conns[conn.fd] = conn
+            self._unproven[conn.fd] = conn
             conn.mask = select.EPOLLIN
             self.ep.register(conn.fd, select.EPOLLIN)
             try:
@@ -531,6 +602,9 @@ class WireLane:
 
     def _tick(self, now: float) -> None:
         idle = self.ctx.limits.idle_timeout
+        header_timeout = self.ctx.limits.header_timeout
         for conn in list(self.conns.values()):
-            if not conn.busy and now - conn.last_active > idle:
+            if (not conn.busy and now - conn.last_active > idle) or conn.expired(
+                now, header_timeout
+            ):
                 conn.close()
