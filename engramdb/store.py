@@ -41,9 +41,12 @@ class Store(LocalTable):
         *,
         backend: str = "auto",
         ram_budget: int | str | None = None,
+        fds: list[int] | None = None,
         **backend_options: Any,
     ):
-        super().__init__(db_path, info, backend=backend, ram_budget=ram_budget, **backend_options)
+        super().__init__(
+            db_path, info, backend=backend, ram_budget=ram_budget, fds=fds, **backend_options
+        )
         self._views: dict[str, View] = {}
         self._views_lock = threading.Lock()
         self._hashers: dict[str, Any] = {}

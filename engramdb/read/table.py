@@ -67,13 +67,16 @@ class LocalTable(RowTable):
         *,
         backend: str = "auto",
         ram_budget: int | str | None = None,
+        fds: list[int] | None = None,
         **backend_options: Any,
     ):
         RowTable.__init__(self, TableSchema.of(info))
         self._db = Path(db_path)
         self.info = info
         self.geometry: TableGeometry = info.geometry
-        self._fds = open_shards(self._db, info)
+        # ``fds``: the shards already opened (and size-checked) by `Database` at open time;
+        # this table owns them from here on (closes them on error and in `close`)
+        self._fds = open_shards(self._db, info) if fds is None else list(fds)
         self._mapping: ShardMapping | None = None
         try:
             self._mapping = ShardMapping(self._fds, [s.bytes for s in info.shards])
