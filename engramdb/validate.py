@@ -14,7 +14,6 @@ from engramdb.errors import (
     ShapeMismatch,
 )
 
-
 #: Most rows one fetch / fetch_into / lookup_into call reads (16,777,216: 2.7 GB of 160-byte
 #: rows). Larger batches are refused with `InvalidArgument` before anything is allocated;
 #: split them (the remote client does by itself).

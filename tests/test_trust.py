@@ -67,3 +67,295 @@ def test_huge_and_empty_shapes_are_typed(db_factory: Any) -> None:
         with pytest.raises(InvalidArgument, match="per-call limit"):
             t.fetch_into(np.zeros((0, 10**9, 10**9), np.int64), np.empty((0, 32), np.uint8))
         assert t.fetch(np.zeros((0, 5), np.int64)).shape == (0, 5, 32)
+
+
+# -- 6. the index is published as a set ---------------------------------------------------------
+_KILL_SECOND_WRITE = """
+import importlib, os, sys
+bi = importlib.import_module("engramdb.build.index")
+from engramdb import keygen
+from test_index import QWEN_TINY
+real, calls = bi._write_arrays, []
+def dying(path, arrays):
+    calls.append(path)
+    if len(calls) == 2:  # killed after hot.zst, before keys.zst and index.json
+        os._exit(9)
+    return real(path, arrays)
+bi._write_arrays = dying
+bi.build_index(sys.argv[1], sys.argv[2], preset=keygen.hasher("qwen4exp", QWEN_TINY))
+"""
+
+
+def test_index_build_killed_midway_keeps_the_previous_index(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from test_index import QWEN_TINY, make_db
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.disk.publish import collect_garbage, read_manifest
+    from engramdb.read.index import load_index
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    db = make_db(tmp_path / "db", {"ple": 88})
+    np.save(tmp_path / "a.npy", np.arange(40) % 9)
+    np.save(tmp_path / "b.npy", np.arange(60) % 13)
+    build_index(tmp_path / "a.npy", db, preset=h)
+    before = load_index(db, "ple")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    rc = subprocess.run(
+        [sys.executable, "-c", _KILL_SECOND_WRITE, str(tmp_path / "b.npy"), str(db)],
+        env=env,
+        timeout=120,
+    ).returncode
+    assert rc == 9
+    after = load_index(db, "ple")  # still the previous index, whole
+    assert np.array_equal(after.hot_rows, before.hot_rows)
+    assert np.array_equal(after.keys, before.keys)
+    collect_garbage(db, read_manifest(db))  # what the next writer does (or `engramdb gc`)
+    left = [p.name for p in (db / "ple").iterdir()]
+    assert left == ["index"], left
+    assert sorted(p.name for p in (db / "ple" / "index").iterdir()) == [
+        "hot.zst",
+        "index.json",
+        "keys.zst",
+    ]
+
+
+def test_verify_checks_the_index(db_factory: Any, tmp_path: Path) -> None:
+    from test_index import QWEN_TINY
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.verify import verify
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    rows = int(sum(h.head_rows(1)))
+    db, _ = db_factory({"ple": (160, (rows,))})
+    np.save(tmp_path / "c.npy", np.arange(40) % 9)
+    build_index(tmp_path / "c.npy", db, preset=h)
+    assert verify(db) == []
+    keys = db / "ple" / "index" / "keys.zst"
+    blob = bytearray(keys.read_bytes())
+    blob[-5] ^= 0xFF
+    keys.write_bytes(bytes(blob))
+    problems = verify(db)
+    assert len(problems) == 1 and "index" in problems[0].line()
+    (db / "ple" / "index" / "index.json").write_text('{"format": "engramdb-index", "version": 1}')
+    problems = verify(db)
+    assert len(problems) == 1 and "hot.rows" in problems[0].what
+
+
+# -- 7. symlinks are never followed --------------------------------------------------------------
+def test_symlinked_shard_is_refused(db_factory: Any, tmp_path: Path) -> None:
+    from engramdb.errors import CorruptFile
+    from engramdb.verify import verify
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    opened = engramdb.open(db)
+    shard = db / opened.manifest.tables["t"].shards[0].path
+    opened.close()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(shard.read_bytes())  # the same bytes: geometry and checksum match
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(CorruptFile, match="symlink"):
+        engramdb.open(db)
+    problems = verify(db)
+    assert len(problems) == 1 and "symlink" in problems[0].what
+
+
+def test_gc_never_deletes_through_a_symlink(db_factory: Any, tmp_path: Path) -> None:
+    db, written = db_factory({"t": (32, (1000,))})
+    outside = tmp_path / "x"
+    (outside / "g-important").mkdir(parents=True)
+    (outside / "g-important" / "data").write_text("keep me")
+    (db / "elsewhere").symlink_to(outside)  # a symlinked non-table directory in the DB
+    (db / "t" / "g-link").symlink_to(outside / "g-important")
+    (db / "afile").write_text("x")
+    (db / "t" / "views").mkdir()
+    (db / "t" / "views" / ".staging-z").symlink_to(outside)
+    build(db, "t", 32, [written["t"]], force=True)  # builds and collects garbage
+    assert (outside / "g-important" / "data").read_text() == "keep me"
+    with engramdb.open(db) as opened:
+        assert np.array_equal(opened["t"].fetch(np.arange(10)), written["t"][:10])
+
+
+def test_lock_symlink_is_refused(db_factory: Any, tmp_path: Path) -> None:
+    from engramdb.errors import CorruptFile
+
+    db, written = db_factory({"t": (32, (1000,))})
+    target = tmp_path / "created-outside"
+    lock = db / ".lock"
+    if lock.exists():
+        lock.unlink()
+    lock.symlink_to(target)
+    with pytest.raises(CorruptFile, match="symlink"):
+        build(db, "t", 32, [written["t"]], force=True)
+    assert not target.exists()
+
+
+# -- 8. special files and hostile values ---------------------------------------------------------
+_OPEN_FIFO = """
+import sys, engramdb
+from engramdb.errors import CorruptFile
+from engramdb.verify import verify
+try:
+    engramdb.open(sys.argv[1])
+except CorruptFile as e:
+    print("open:", e)
+print("verify:", [p.what for p in verify(sys.argv[1])])
+"""
+
+
+def test_fifo_shard_is_refused_not_waited_on(db_factory: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    opened = engramdb.open(db)
+    shard = db / opened.manifest.tables["t"].shards[0].path
+    opened.close()
+    shard.unlink()
+    os.mkfifo(shard)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _OPEN_FIFO, str(db)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,  # on a FIFO, an open without O_NONBLOCK waits forever
+    )
+    assert out.returncode == 0, out.stderr
+    assert "open:" in out.stdout and "FIFO" in out.stdout
+    assert "verify:" in out.stdout and "FIFO" in out.stdout.split("verify:")[1]
+
+
+def _valid_manifest_doc(db: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((db / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d, t: t.__setitem__("shards", 7), "shards"),
+        (lambda d, t: t["shards"][0].__setitem__("blocks", 5), "blocks"),
+        (lambda d, t: t["shards"][0].__setitem__("blocks", None), "blocks"),
+        (lambda d, t: t.__setitem__("sources", 3), "sources"),
+        (lambda d, t: t.__setitem__("provenance", [1]), "provenance"),
+        (lambda d, t: t["shards"][0].__setitem__("path", "t/\0x"), "path"),
+        (lambda d, t: t["shards"][0].__setitem__("path", ""), "path"),
+        (lambda d, t: t["shards"][0].__setitem__("path", "."), "path"),
+        (lambda d, t: d.__setitem__("format_version", 1.0), "format_version"),
+        (lambda d, t: d.__setitem__("format_version", True), "format_version"),
+        (lambda d, t: t["heads"].__setitem__(0, [1]), "heads"),
+        (lambda d, t: t.__setitem__("dim", "x"), "dim"),
+        (lambda d, t: d.__setitem__("generation", "7"), "generation"),
+    ],
+)
+def test_hostile_manifest_values(db_factory: Any, mutate: Any, field: str) -> None:
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    doc = _valid_manifest_doc(db)
+    mutate(doc, doc["tables"]["t"])
+    with pytest.raises(CorruptManifest, match=field):
+        parse_manifest(json.dumps(doc))
+
+
+def test_deeply_nested_manifest() -> None:
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    deep = '{"format": "engramdb", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(CorruptManifest, match="deeper"):
+        parse_manifest(deep)
+
+
+def test_hostile_index_json(tmp_path: Path) -> None:
+    from test_index import make_db
+
+    from engramdb.errors import CorruptFile
+    from engramdb.read.index import load_index
+
+    db = make_db(tmp_path / "db", {"ple": 88})
+    d = db / "ple" / "index"
+    d.mkdir(parents=True)
+    for text, field in [
+        ("[]", "object"),
+        ('{"format": "engramdb-index", "version": 1, "hot": {}}', "hot.rows"),
+        ('{"format": "engramdb-index", "version": 1.0}', "version"),
+        ('{"format": "engramdb-index", "version": 1, "hot": {"rows": "3"}}', "hot.rows"),
+    ]:
+        (d / "index.json").write_text(text)
+        with pytest.raises(CorruptFile, match=field):
+            load_index(db, "ple")
+    (d / "index.json").unlink()
+    (d / "index.json").symlink_to("/dev/zero")
+    with pytest.raises(CorruptFile, match="symlink"):
+        load_index(db, "ple")
+
+
+def test_hostile_manifest_fuzz(db_factory: Any) -> None:
+    """10,000 seeded mutations of a real manifest (wrong JSON types, removed fields, hostile
+    paths, numbers out of range, truncation): `parse_manifest` returns or raises
+    `CorruptManifest`, nothing else."""
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    db, _ = db_factory({"t": (32, (600, 400)), "u": (24, (50,))})
+    base = _valid_manifest_doc(db)
+    r = np.random.default_rng(8)
+    values: list[Any] = [
+        None, True, False, 0, -1, 1.0, 2**70, "", "x", ".", "..", "/abs", "a/../b", "a\0b",
+        [], [1], {}, {"a": 1}, [[[]]], 1e308,
+    ]
+
+    def nodes(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        out = [path]
+        if isinstance(doc, dict):
+            for k, v in doc.items():
+                out += nodes(v, path + (k,))
+        elif isinstance(doc, list):
+            for i, v in enumerate(doc[:3]):
+                out += nodes(v, path + (i,))
+        return out
+
+    paths = nodes(base)[1:]
+    outcomes = {"ok": 0, "corrupt": 0}
+    for _ in range(10_000):
+        doc = json.loads(json.dumps(base))
+        for _ in range(int(r.integers(1, 4))):
+            p = paths[int(r.integers(0, len(paths)))]
+            parent = doc
+            try:
+                for k in p[:-1]:
+                    parent = parent[k]
+                op = int(r.integers(0, 3))
+                if op == 0:
+                    parent[p[-1]] = values[int(r.integers(0, len(values)))]
+                elif op == 1 and isinstance(parent, dict):
+                    del parent[p[-1]]
+                else:
+                    parent[p[-1]] = [parent[p[-1]]]
+            except (KeyError, IndexError, TypeError):
+                continue  # an earlier mutation removed the path
+        text = json.dumps(doc)
+        if r.random() < 0.05:
+            text = text[: int(r.integers(0, len(text)))]
+        try:
+            parse_manifest(text)
+            outcomes["ok"] += 1
+        except CorruptManifest:
+            outcomes["corrupt"] += 1
+    assert outcomes["corrupt"] > 5000

@@ -16,6 +16,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from engramdb.disk.files import open_regular
+from engramdb.errors import EngramDBError
 from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry
 
 __all__ = ["BlockHasher", "HashedWriter", "HashingFile", "Problem", "check_file"]
@@ -46,6 +48,8 @@ class Problem:
 
     def line(self) -> str:
         """One line for a human: what, where, which bytes."""
+        if self.view is None and "/index" in self.file:
+            return f"table {self.table!r} index {self.file!r}: {self.what}"
         if self.view is None:
             return (
                 f"table {self.table!r} shard {self.file!r} bytes [{self.start}, {self.end}): "
@@ -177,9 +181,12 @@ def check_file(
         return Problem(table, entry.path, start, end, text, view=view)
 
     try:
-        f = open(Path(db) / entry.path, "rb", buffering=0)
-    except FileNotFoundError:
+        opened = open_regular(Path(db), entry.path, what)
+    except EngramDBError as e:  # a symlink, FIFO, directory, or a path leaving the database
+        return [problem(0, entry.bytes, str(e))]
+    if opened is None:
         return [problem(0, entry.bytes, f"{what} is missing")]
+    f = open(opened[0], "rb", buffering=0, closefd=True)
     with f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:
