@@ -11,7 +11,7 @@ import pytest
 
 import engramdb
 from engramdb.build import build
-from engramdb.errors import EngramDBError, InvalidArgument
+from engramdb.errors import InvalidArgument
 
 
 # -- 5. an open database serves the generation it opened --------------------------------------
@@ -317,8 +317,26 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
     base = _valid_manifest_doc(db)
     r = np.random.default_rng(8)
     values: list[Any] = [
-        None, True, False, 0, -1, 1.0, 2**70, "", "x", ".", "..", "/abs", "a/../b", "a\0b",
-        [], [1], {}, {"a": 1}, [[[]]], 1e308,
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1.0,
+        2**70,
+        "",
+        "x",
+        ".",
+        "..",
+        "/abs",
+        "a/../b",
+        "a\0b",
+        [],
+        [1],
+        {},
+        {"a": 1},
+        [[[]]],
+        1e308,
     ]
 
     def nodes(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
