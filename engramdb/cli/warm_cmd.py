@@ -22,6 +22,12 @@ from engramdb.warm import residency, warm_hot, warm_tables, warm_view
 )
 @click.option("--ram-budget", default=None, help="RAM tier size per table, e.g. 8G (with --hot).")
 @click.option("--check", is_flag=True, help="Only report page-cache residency; read nothing.")
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Hash each warmed table's 64 MiB blocks against the manifest (ChecksumMismatch).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @library_errors
 def warm_cmd(
@@ -32,6 +38,7 @@ def warm_cmd(
     hot: bool,
     ram_budget: str | None,
     check: bool,
+    verify: bool,
     quiet: bool,
 ) -> None:
     """Load tables of DB into the page cache at device speed (MADV_POPULATE_READ from
@@ -66,5 +73,5 @@ def warm_cmd(
             return
         total = sum(d[n].nbytes for n in names)
         with click.progressbar(length=total, label="warming", hidden=quiet, file=sys.stderr) as bar:
-            summaries = warm_tables(d, names, threads=threads, progress=bar.update)
+            summaries = warm_tables(d, names, threads=threads, progress=bar.update, verify=verify)
     echo_summaries(summaries)
