@@ -398,3 +398,30 @@ def test_warm_finds_a_flipped_byte(db_factory: Any) -> None:
         with pytest.raises(ChecksumMismatch, match=r"bytes \[0, 96000\).*rows 0 to 2999"):
             warm_tables(opened)
         warm_tables(opened, verify=False)  # opt out: no hashing
+
+
+# -- 10. leftovers are reported and collected ------------------------------------------------------
+def test_info_reports_leftovers_and_gc_removes_them(db_factory: Any) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    db, written = db_factory({"t": (32, (1000,))})
+    staging = db / "t" / ".staging-killed"
+    staging.mkdir()
+    (staging / "shard-00000.edb").write_bytes(b"\0" * 100_000)
+    (db / ".manifest.json.tmp-dead").write_text("{")
+    runner = CliRunner()
+    res = runner.invoke(main, ["info", str(db), "--json"])
+    assert res.exit_code == 0, res.output
+    left = {d["path"]: d["bytes"] for d in json.loads(res.output)["leftovers"]}
+    assert left == {"t/.staging-killed": 100_000, ".manifest.json.tmp-dead": 1}
+    assert "engramdb gc" in runner.invoke(main, ["info", str(db)]).output
+    res = runner.invoke(main, ["gc", str(db)])
+    assert res.exit_code == 0 and "removed 2 leftover(s)" in res.output, res.output
+    assert not staging.exists() and not (db / ".manifest.json.tmp-dead").exists()
+    with engramdb.open(db) as opened:
+        assert np.array_equal(opened["t"].fetch(np.arange(5)), written["t"][:5])
+    assert json.loads(runner.invoke(main, ["info", str(db), "--json"]).output)["leftovers"] == []

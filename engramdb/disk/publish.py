@@ -38,6 +38,7 @@ __all__ = [
     "STAGING_PREFIX",
     "collect_garbage",
     "database_lock",
+    "gc",
     "leftovers",
     "new_generation_id",
     "new_staging_dir",
@@ -226,12 +227,25 @@ def leftovers(db: Path, manifest: Manifest) -> list[tuple[str, int]]:
             if gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX):
                 if f"{tdir.name}/{gen.name}" not in referenced:
                     found.append(gen)
-        for sub in ("views", "index"):
-            for st in _real_dirs(tdir / sub):
-                if st.name.startswith(STAGING_PREFIX):
-                    found.append(st)
+        for st in _real_dirs(tdir / "views"):
+            if st.name.startswith(STAGING_PREFIX):
+                found.append(st)
     found.extend(p for p in db.glob(f".{MANIFEST_NAME}.tmp-*") if not p.is_symlink())
     return [(str(p.relative_to(db)), _tree_bytes(p)) for p in sorted(found)]
+
+
+def gc(db: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """``engramdb gc``: under the writer lock, remove what killed or finished writers left
+    (`leftovers`: staging directories, replaced generations, manifest temp files; and view
+    files the manifest no longer names). Returns what was removed, ``(path, bytes)``. Safe
+    while readers run: nothing a manifest names is touched, and an open `Database` keeps
+    descriptors of the files it serves."""
+    db = Path(db)
+    with database_lock(db):
+        manifest = read_manifest(db)
+        found = leftovers(db, manifest)
+        collect_garbage(db, manifest)
+    return found
 
 
 def _tree_bytes(path: Path) -> int:
