@@ -425,3 +425,46 @@ def test_info_reports_leftovers_and_gc_removes_them(db_factory: Any) -> None:
     with engramdb.open(db) as opened:
         assert np.array_equal(opened["t"].fetch(np.arange(5)), written["t"][:5])
     assert json.loads(runner.invoke(main, ["info", str(db), "--json"]).output)["leftovers"] == []
+
+
+# -- 9. a full disk and Ctrl-C name their cause -------------------------------------------------
+@pytest.mark.parametrize("cause", ["enospc", "interrupt"])
+def test_build_failure_names_its_cause(
+    db_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    import errno
+
+    from click.testing import CliRunner
+
+    import importlib
+
+    from engramdb.cli import main
+
+    bt = importlib.import_module("engramdb.build.table")
+
+    db, written = db_factory({"t": (32, (70_000,))})
+    src = tmp_path / "new.npy"
+    np.save(src, np.random.default_rng(9).integers(0, 256, (70_000, 32), dtype=np.uint8))
+
+    def failing(self: Any, data: memoryview) -> None:
+        if cause == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bt._ShardWriter, "_write_all", failing)
+    with pytest.raises(OSError if cause == "enospc" else KeyboardInterrupt) as info:
+        build(db, "t", 32, [src], force=True)
+    assert not isinstance(info.value, BufferError)
+    res = CliRunner().invoke(
+        main, ["build", str(db), str(src), "--table", "t", "--row-bytes", "32", "--force"]
+    )
+    assert res.exit_code != 0
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    if cause == "enospc":
+        assert lines[-1].startswith("Error: No space left on device while writing shard 0")
+        assert "of table 't' (needs" in lines[-1] and "Traceback" not in res.output
+    else:
+        assert lines[-1].startswith("Aborted")
+    assert not isinstance(res.exception, BufferError)
+    with engramdb.open(db) as opened:  # intact: the previous table
+        assert np.array_equal(opened["t"].fetch(np.arange(100)), written["t"][:100])

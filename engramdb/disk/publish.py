@@ -124,6 +124,11 @@ def write_manifest(db: Path, manifest: Manifest) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, db / MANIFEST_NAME)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, EngramDBError) or e.errno is None:
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} while writing the manifest ({tmp.name})") from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
