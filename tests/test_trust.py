@@ -433,10 +433,9 @@ def test_build_failure_names_its_cause(
     db_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
     import errno
+    import importlib
 
     from click.testing import CliRunner
-
-    import importlib
 
     from engramdb.cli import main
 
@@ -468,3 +467,38 @@ def test_build_failure_names_its_cause(
     assert not isinstance(res.exception, BufferError)
     with engramdb.open(db) as opened:  # intact: the previous table
         assert np.array_equal(opened["t"].fetch(np.arange(100)), written["t"][:100])
+
+
+# -- 14. publish with no reachable master fails fast and quietly ----------------------------------
+def test_publish_without_a_master_fails_within_seconds(db_factory: Any) -> None:
+    import socket
+    import time
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    t0 = time.monotonic()
+    res = CliRunner().invoke(
+        main,
+        [
+            "publish",
+            str(db),
+            "--mooncake",
+            f"127.0.0.1:{port}",
+            "--metadata",
+            f"http://127.0.0.1:{port}/metadata",
+            "-q",
+            "--connect-timeout",
+            "2",
+        ],
+    )
+    elapsed = time.monotonic() - t0
+    assert res.exit_code != 0 and elapsed < 10, (elapsed, res.output)
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "not reachable" in lines[0] and f":{port}" in lines[0], lines
