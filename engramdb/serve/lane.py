@@ -57,12 +57,9 @@ PREAUTH_BUF = REQUEST.size + MAX_HELLO_BYTES
 class _WireConnection:
     """One wire connection: a receive buffer, a reusable response buffer, the unsent rest of
     the last response. One request is answered at a time (reading pauses while a reply is
-    gathered off-thread or cannot be sent at once).
-
-    Before HELLO the receive buffer is `PREAUTH_BUF` bytes and any other frame is refused
-    from its header alone; after it, the buffer grows with the bytes that actually arrived
-    (doubling, up to the frame's length, itself bounded by ``max_body_bytes``), never to a
-    length a header merely claims."""
+    gathered off-thread or cannot be sent at once). Before HELLO the buffer is `PREAUTH_BUF`
+    bytes and another frame is refused from its header; after, it grows with the bytes that
+    arrived (doubling, up to the frame length), never to a length a header only claims."""
 
     __slots__ = (
         "lane",
@@ -112,8 +109,7 @@ class _WireConnection:
         self.frame_since = 0.0  # when the pending (incomplete) frame header began
 
     def expired(self, now: float, header_timeout: float) -> bool:
-        """A deadline passed: HELLO not done ``header_timeout`` after the connection came, or
-        a frame header (a whole frame before HELLO) pending longer than that."""
+        """HELLO not done ``header_timeout`` after accept, or a frame header pending longer."""
         if self.busy:
             return False
         if not self.hello:
@@ -194,12 +190,8 @@ class _WireConnection:
                 return
             end = REQUEST.size + length
             if have < end:
-                if have == len(self.buf):
-                    # full: grow with what arrived (doubling), never to a length only claimed
-                    grown = bytearray(min(end, max(2 * len(self.buf), _RECV_MIN)))
-                    grown[:have] = self.view[:have]
-                    self.buf = grown
-                    self.view = memoryview(grown)
+                if have == len(self.buf):  # full: grow with what arrived (doubling)
+                    self._regrow(min(end, max(2 * len(self.buf), _RECV_MIN)))
                 return
             t0 = time.perf_counter()
             payload = self.view[REQUEST.size : end]
@@ -216,10 +208,12 @@ class _WireConnection:
                 self.view[:rest] = self.view[end : self.have]
             self.have = rest
             if len(self.buf) > _RECV_MIN and rest <= _RECV_MIN:
-                small = bytearray(_RECV_MIN)
-                small[:rest] = self.view[:rest]
-                self.buf = small
-                self.view = memoryview(small)
+                self._regrow(_RECV_MIN)  # self.have == rest here
+
+    def _regrow(self, size: int) -> None:
+        grown = bytearray(size)
+        grown[: self.have] = self.view[: self.have]
+        self.buf, self.view = grown, memoryview(grown)
 
     def on_hello(self, payload: memoryview) -> None:
         ctx = self.lane.ctx
@@ -231,10 +225,7 @@ class _WireConnection:
         self.hello = True
         self.lane.proven(self)
         if len(self.buf) < _RECV_MIN:  # authenticated: the working buffer size
-            grown = bytearray(_RECV_MIN)
-            grown[: self.have] = self.view[: self.have]
-            self.buf = grown
-            self.view = memoryview(grown)
+            self._regrow(_RECV_MIN)
         doc = {
             "tables": list(self.lane.names),
             "generation": ctx.db.manifest.generation,
@@ -426,15 +417,13 @@ class WireLane:
         return len(self.conns) + len(self._inbox)
 
     @property
-    def n_unproven(self) -> int:
-        """Connections that have not completed HELLO (read from any thread: approximate)."""
+    def n_unproven(self) -> int:  # any thread; approximate
         return len(self._unproven) + len(self._inbox)
 
     def proven(self, conn: _WireConnection) -> None:
         self._unproven.pop(conn.fd, None)
 
-    def evict_unproven(self) -> None:
-        """Ask the lane to close its oldest connection without HELLO (any thread)."""
+    def evict_unproven(self) -> None:  # any thread: close the oldest connection w/o HELLO
         self._evictions.append(1)
         self._wake()
 
@@ -454,9 +443,8 @@ class WireLane:
     def adopt(
         self, sock: socket.socket, initial: bytes, peer: str | None = None, born: float = 0.0
     ) -> None:
-        """Take over ``sock`` (non-blocking), whose first bytes ``initial`` were already read
-        (``peer``: its counted TCP address; ``born``: when it was accepted). Called from the
-        asyncio thread."""
+        """Take over ``sock`` (first bytes ``initial`` already read; ``peer``: its counted TCP
+        address; ``born``: when accepted). Called from the asyncio thread."""
         self._inbox.append((sock, initial, peer, born or time.monotonic()))
         self._wake()
 
