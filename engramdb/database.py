@@ -24,9 +24,15 @@ from engramdb.table_api import Closing
 class Database(Closing):
     """A snapshot of a database: the manifest read at open, its tables opened on first use.
 
-    Opening checks every shard's size against the manifest (a truncated shard is an error
-    here, not garbage later). A concurrent rebuild does not disturb an open database: it
-    keeps reading the files of the generation it opened.
+    Opening opens every shard of every table (descriptors only: nothing is mapped or read)
+    and checks its size against the manifest (a truncated shard is an error here, not
+    garbage later). The descriptors are kept: a table opened later maps the very files the
+    manifest named at open, so a concurrent rebuild, whose garbage collection unlinks the
+    replaced generation, does not disturb an open database: it serves the generation it
+    opened until it is closed (an unlinked file lives on while a descriptor holds it).
+    Eager descriptors were chosen over a reader lease (no cross-process protocol, nothing
+    to clean up after a killed reader) and over re-reading the manifest on first use (that
+    would mix generations within one `Database`). Cost: one descriptor per shard (~1 GiB).
     """
 
     def __init__(
@@ -50,9 +56,13 @@ class Database(Closing):
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
         self._closed = False
-        for info in self.manifest.tables.values():
-            for fd in open_shards(self.path, info):
-                os.close(fd)
+        self._shard_fds: dict[str, list[int]] = {}
+        try:
+            for name, info in self.manifest.tables.items():
+                self._shard_fds[name] = open_shards(self.path, info)
+        except BaseException:
+            self._close_fds()
+            raise
         if populate:
             for name in self.tables:
                 self[name].populate()
@@ -86,6 +96,7 @@ class Database(Closing):
                     info,
                     backend=self.backend,
                     ram_budget=self.ram_budget,
+                    fds=self._shard_fds.pop(name, None),
                     **self._backend_options,
                 )
                 self._stores[name] = store
@@ -116,7 +127,21 @@ class Database(Closing):
             for s in self._stores.values():
                 s.close()
             self._stores.clear()
+            self._close_fds()
             self._closed = True
+
+    def __del__(self) -> None:
+        # a Database dropped without close(): release the descriptors no table took over
+        fds = getattr(self, "_shard_fds", None)
+        if fds:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        """Close the descriptors of tables never opened."""
+        for fds in self._shard_fds.values():
+            for fd in fds:
+                os.close(fd)
+        self._shard_fds.clear()
 
     def __repr__(self) -> str:
         return f"<Database {str(self.path)!r} tables={self.tables}>"

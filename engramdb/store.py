@@ -105,6 +105,7 @@ class Store(LocalTable):
         threads: int | None = None,
         backend: str = "auto",
         ram_budget: int | str | None = None,
+        fds: list[int] | None = None,
         **backend_options: Any,
     ):
         describe = _describe(backend_options, pop=True)
@@ -129,7 +130,9 @@ class Store(LocalTable):
             raise InvalidArgument(f"table={table!r} differs from the TableInfo {info!r}")
         assert isinstance(info, TableInfo)
         self.threads = threads
-        super().__init__(db_path, info, backend=backend, ram_budget=ram_budget, **backend_options)
+        super().__init__(
+            db_path, info, backend=backend, ram_budget=ram_budget, fds=fds, **backend_options
+        )
 
     def _opened(self) -> None:
         self._views: dict[str, View] = {}

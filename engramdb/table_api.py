@@ -20,10 +20,12 @@ import numpy as np
 from engramdb.errors import ShapeMismatch, StoreClosed
 from engramdb.validate import (
     as_rowids,
+    check_batch,
     check_bounds,
     check_head_bounds,
     check_lookup_ids,
     check_output,
+    separate,
 )
 
 _C = TypeVar("_C", bound="Closing")
@@ -177,6 +179,7 @@ class RowTable(Closing, ABC):
         ``rowids.shape + (row_bytes,)``, uint8. Allocates the result; see `fetch_into`."""
         self.check_open()
         ids = as_rowids(rowids)
+        check_batch(ids.shape, self.row_bytes)
         flat = ids.reshape(-1)
         check_bounds(flat, self.n_rows, shape=ids.shape)
         out = np.empty(ids.shape + (self.row_bytes,), dtype=np.uint8)
@@ -189,8 +192,9 @@ class RowTable(Closing, ABC):
         shape ``rowids.shape + (row_bytes,)``) and return it. No allocation on the warm path."""
         self.check_open()
         ids = as_rowids(rowids)
+        check_batch(ids.shape, self.row_bytes)
         check_output(out, ids.shape + (self.row_bytes,))
-        flat = ids.reshape(-1)
+        flat = separate(ids, out).reshape(-1)
         check_bounds(flat, self.n_rows, shape=ids.shape)
         if flat.size:
             self.gather(flat, out.reshape(-1, self.row_bytes))
@@ -203,7 +207,9 @@ class RowTable(Closing, ABC):
         a no-op."""
         self.check_open()
         check_lookup_ids(row_ids, self.n_heads)
+        check_batch(row_ids.shape, self.row_bytes, what="row_ids")
         check_output(out, row_ids.shape + (self.row_bytes,))
+        row_ids = separate(row_ids, out)
         if row_ids.size:
             check_head_bounds(row_ids, self.heads)
             self._gather_local(row_ids, out.reshape(-1, self.row_bytes))

@@ -7,11 +7,42 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import (
+    InvalidArgument,
     InvalidDtype,
     InvalidLayout,
     RowIdOutOfRange,
     ShapeMismatch,
 )
+
+#: Most rows one fetch / fetch_into / lookup_into call reads (16,777,216: 2.7 GB of 160-byte
+#: rows). Larger batches are refused with `InvalidArgument` before anything is allocated;
+#: split them (the remote client does by itself).
+MAX_ROWS_PER_CALL = 1 << 24
+
+
+def check_batch(shape: tuple[int, ...], row_bytes: int, *, what: str = "row ids") -> None:
+    """Refuse a batch of more than `MAX_ROWS_PER_CALL` ids, counting every non-zero
+    dimension (an empty ``(0, 10**9, 10**9)`` is refused too: its output array cannot even
+    be described), with `InvalidArgument` naming the shape and the limit."""
+    total = 1
+    for d in shape:
+        if d:
+            total *= int(d)
+            if total > MAX_ROWS_PER_CALL:
+                raise InvalidArgument(
+                    f"{what} of shape {tuple(int(x) for x in shape)} ask for more than "
+                    f"{MAX_ROWS_PER_CALL:,} rows of {row_bytes} B in one call (the per-call "
+                    "limit, engramdb.validate.MAX_ROWS_PER_CALL); split the batch"
+                )
+
+
+def separate(ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``ids``, or a copy of them if they share memory with ``out`` (a gather writing
+    ``out`` would otherwise overwrite ids it has not read yet). One bounds comparison
+    (`numpy.may_share_memory`); the copy is made only when the ranges overlap."""
+    if np.may_share_memory(ids, out):
+        return ids.copy()
+    return ids
 
 
 def as_rowids(rowids: Any) -> np.ndarray:

@@ -1,6 +1,7 @@
 """``verify``: recompute checksums and compare them with the manifest, for tables and views.
 
-`verify` recomputes every shard's xxh3-64 (whole file and each 64 MiB block). `verify_views`
+`verify` recomputes every shard's xxh3-64 (whole file and each 64 MiB block) and checks the
+table's ``engramdb index`` output (`verify_index`: types, sizes, xxh3-64, decoding). `verify_views`
 checks each Store-P view's files the same way, then opens the view (headers, staleness) and
 compares its key index (sorted hashes, slot permutation, stored hashes) and sampled slots
 (equal to the concatenation of their Store-I rows, zero padding) through the public `View`
@@ -27,10 +28,19 @@ from engramdb.layouts.view import (
     parse_views,
     source_hash,
 )
+from engramdb.read.index import load_index
 from engramdb.store import Store
 from engramdb.view import View
 
-__all__ = ["Problem", "ViewProblem", "total_bytes", "verify", "verify_views", "views_bytes"]
+__all__ = [
+    "Problem",
+    "ViewProblem",
+    "total_bytes",
+    "verify",
+    "verify_index",
+    "verify_views",
+    "views_bytes",
+]
 
 
 def verify(
@@ -53,6 +63,7 @@ def verify(
             problems.extend(check_file(db, s, "shard file", table=name, progress=progress))
         for sf in info.attached.files if info.attached is not None else ():
             problems.extend(_check_source(sf, name, progress))
+        problems.extend(verify_index(db, name))
     return problems
 
 
@@ -67,14 +78,32 @@ def _check_source(
         return [Problem(table, sf.path, 0, sf.size, "source file is missing")]
     try:
         check_source(fd, sf, table)
+        if not sf.blocks:
+            return []
+        entry = FileEntry(path=sf.path, bytes=sf.size, xxh3_64=sf.xxh3_64, blocks=sf.blocks)
+        return check_file(Path("/"), entry, "source file", table=table, progress=progress, fd=fd)
     except EngramDBError as e:
         return [Problem(table, sf.path, 0, sf.size, str(e))]
     finally:
         os.close(fd)
-    if not sf.blocks:
+
+
+def verify_index(db_path: str | os.PathLike[str], table: str) -> list[Problem]:
+    """Check the ``engramdb index`` output of ``table`` if it has one: ``index.json`` (a
+    regular file inside the database, every field typed), then each file's size and xxh3-64
+    and that it inflates to exactly its rows (`load_index`). One problem per index at most
+    (the first thing wrong)."""
+    db = Path(db_path)
+    index_dir = db / table / "index"
+    if not os.path.lexists(index_dir):
         return []
-    entry = FileEntry(path=sf.path, bytes=sf.size, xxh3_64=sf.xxh3_64, blocks=sf.blocks)
-    return check_file(Path("/"), entry, "source file", table=table, progress=progress)
+    try:
+        load_index(db, table)
+    except TableNotFound:
+        return [Problem(table, f"{table}/index/index.json", 0, 0, "index: index.json is missing")]
+    except EngramDBError as e:
+        return [Problem(table, f"{table}/index", 0, 0, f"index: {e}")]
+    return []
 
 
 def total_bytes(db_path: str | os.PathLike[str], tables: list[str] | None = None) -> int:

@@ -6,6 +6,11 @@ threads (ctypes releases the GIL), chunk by chunk: one ``WILLNEED`` over a whole
 only start ~8 MiB of read-ahead. Afterwards the mapping's page tables are filled, so the warm
 gather path runs at memory speed at once.
 
+With ``verify=True`` (the default) each table's bytes are then hashed from the now-resident
+mapping, 64 MiB block by block (XXH3-64 runs at ~10 GB/s, above device speed), and compared
+with the manifest's block checksums: a flipped byte raises `ChecksumMismatch` naming the
+table, shard and byte range, so a warmed table is known to hold the bytes it was built with.
+
 Hot-set warming (`warm_hot`) reads the rows `engramdb index` ranked most frequent, most
 frequent first, through the normal read path and pins them in the RAM tier (the tier lives
 in the process: warm it in the process that serves, e.g. before ``serve`` takes requests).
@@ -18,8 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import xxhash
+
 from engramdb.database import Database
+from engramdb.errors import ChecksumMismatch
+from engramdb.layouts.manifest import CHECK_BLOCK_BYTES
 from engramdb.read.index import load_index
+from engramdb.store import Store
 from engramdb.units import Summary
 
 
@@ -50,15 +60,19 @@ def warm_tables(
     *,
     threads: int = 4,
     progress: Callable[[int], None] | None = None,
+    verify: bool = True,
 ) -> list[WarmSummary]:
-    """Populate each table's mapping (reads cold pages from the device). Cost: one
-    sequential pass over the non-resident bytes; ~0.1 s/GB when already resident."""
+    """Populate each table's mapping (reads cold pages from the device), then with
+    ``verify`` check every 64 MiB block against the manifest (`verify_resident`). Cost: one
+    sequential pass over the non-resident bytes, ~0.1 s/GB more to hash them."""
     out = []
     for name in tables or db.tables:
         store = db[name]
         before = store.residency()
         t0 = time.perf_counter()
         store.populate(threads=threads, progress=progress)
+        if verify:
+            verify_resident(store)
         dt = time.perf_counter() - t0
         out.append(WarmSummary(name, store.nbytes, dt, before, store.residency()))
     return out
@@ -180,3 +194,35 @@ def hold(
         )
         for s in stores
     ]
+
+
+def verify_resident(store: Store) -> None:
+    """Hash ``store``'s mapped bytes block by block (the manifest's 64 MiB blocks; the whole
+    shard where a manifest has no blocks) and raise `ChecksumMismatch` at the first block
+    that differs, naming table, shard and byte range. Reads the mapping (faults in what is
+    not resident). An attached table's rows live in its source files: their identity is
+    checked at open and their blocks by `engramdb verify` (``attach --checksum``)."""
+    if store.attached:
+        return
+    flat = store.array().reshape(-1)
+    start = 0
+    for sh in store.info.shards:
+        data = flat[start : start + sh.bytes]
+        start += sh.bytes
+        if sh.blocks:
+            for i, want in enumerate(sh.blocks):
+                lo = i * CHECK_BLOCK_BYTES
+                hi = min(sh.bytes, lo + CHECK_BLOCK_BYTES)
+                got = xxhash.xxh3_64_hexdigest(data[lo:hi].data)
+                if got != want:
+                    raise ChecksumMismatch(
+                        f"table {store.name!r}: shard {sh.path!r} bytes [{lo}, {hi}) have "
+                        f"xxh3-64 {got}, the manifest says {want} (rows "
+                        f"{sh.first_row + lo // store.row_bytes} to "
+                        f"{sh.first_row + (hi - 1) // store.row_bytes}); run `engramdb verify`"
+                    )
+        elif xxhash.xxh3_64_hexdigest(data.data) != sh.xxh3_64:
+            raise ChecksumMismatch(
+                f"table {store.name!r}: shard {sh.path!r} does not match its xxh3-64 "
+                f"{sh.xxh3_64}; run `engramdb verify`"
+            )

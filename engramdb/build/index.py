@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ import zstandard
 from engramdb.corpus import corpus_files, open_tokens
 from engramdb.disk.checksum import HashingFile
 from engramdb.disk.files import atomic_writer, fsync_dir
-from engramdb.disk.publish import read_manifest
+from engramdb.disk.publish import (
+    collect_garbage,
+    database_lock,
+    new_generation_id,
+    new_staging_dir,
+    publish_dir,
+    read_manifest,
+)
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
 from engramdb.keygen import Hasher, LayerTables, as_hasher
 from engramdb.layouts.manifest import TableInfo
@@ -406,43 +414,51 @@ def build_index(
     order = np.lexsort((all_r, -all_c))
     top_rows, top_counts = all_r[order].astype("<i8"), all_c[order].astype("<u8")
 
+    def meta_of(hot_meta: dict[str, Any], keys_meta: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "table": table_name,
+            "preset": label,
+            "kind": h.kind,
+            "layer": lt.layer,
+            "table_rows": lt.table_rows,
+            "n_heads": lt.n_heads,
+            "max_ngram": h.max_ngram,
+            "fill_id": h.fill_id,
+            "key_ids": "compressed" if h.kind.startswith("deepseek") else "raw",
+            "corpus": {
+                "path": str(corpus),
+                "files": len(files),
+                "sequences": sequences,
+                "tokens": done,
+                "bin_dtype": bin_dtype,
+                "doc_separator": doc_separator,
+            },
+            "lookups": done * lt.n_heads,
+            "distinct_keys": int(keys.shape[0]),
+            "distinct_rows": int(sum(per_head)),
+            "distinct_rows_per_head": per_head,
+            "hot": hot_meta,
+            "keys": keys_meta,
+        }
+
     out_dir = db / table_name / "index"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hot_meta = _write_arrays(out_dir / "hot.zst", [top_rows, top_counts])
-    keys_meta = _write_arrays(out_dir / "keys.zst", [keys.astype("<i8"), key_counts.astype("<u8")])
-    hot_meta["rows"] = int(top_rows.shape[0])
-    keys_meta["keys"] = int(keys.shape[0])
-    keys_meta["width"] = h.max_ngram
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "table": table_name,
-        "preset": label,
-        "kind": h.kind,
-        "layer": lt.layer,
-        "table_rows": lt.table_rows,
-        "n_heads": lt.n_heads,
-        "max_ngram": h.max_ngram,
-        "fill_id": h.fill_id,
-        "key_ids": "compressed" if h.kind.startswith("deepseek") else "raw",
-        "corpus": {
-            "path": str(corpus),
-            "files": len(files),
-            "sequences": sequences,
-            "tokens": done,
-            "bin_dtype": bin_dtype,
-            "doc_separator": doc_separator,
-        },
-        "lookups": done * lt.n_heads,
-        "distinct_keys": int(keys.shape[0]),
-        "distinct_rows": int(sum(per_head)),
-        "distinct_rows_per_head": per_head,
-        "hot": hot_meta,
-        "keys": keys_meta,
-    }
-    with atomic_writer(out_dir / "index.json") as fh:
-        fh.write((json.dumps(meta, indent=1) + "\n").encode())
-    fsync_dir(out_dir, strict=False)
+    with database_lock(db):
+        # the whole set is written into a staging directory and published in one atomic
+        # switch (`publish_dir`), under the writer lock: a kill at any moment leaves the
+        # previous index intact and a staging directory that the next writer (or
+        # `engramdb gc`) removes
+        staging = new_staging_dir(db / table_name, f"index-{new_generation_id()}")
+        try:
+            _write_index_files(staging, meta_of, top_rows, top_counts, keys, key_counts, h)
+            publish_dir(staging, out_dir)
+        except BaseException:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        # leftovers of killed writers (index staging directories among them)
+        collect_garbage(db, read_manifest(db), views=False)
     return IndexSummary(
         table=table_name,
         layer=lt.layer,
@@ -456,3 +472,23 @@ def build_index(
         seconds=time.perf_counter() - started,
         path=out_dir,
     )
+
+
+def _write_index_files(
+    out_dir: Path,
+    meta_of: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+    top_rows: np.ndarray,
+    top_counts: np.ndarray,
+    keys: np.ndarray,
+    key_counts: np.ndarray,
+    h: Hasher,
+) -> None:
+    hot_meta = _write_arrays(out_dir / "hot.zst", [top_rows, top_counts])
+    keys_meta = _write_arrays(out_dir / "keys.zst", [keys.astype("<i8"), key_counts.astype("<u8")])
+    hot_meta["rows"] = int(top_rows.shape[0])
+    keys_meta["keys"] = int(keys.shape[0])
+    keys_meta["width"] = h.max_ngram
+    meta = meta_of(hot_meta, keys_meta)
+    with atomic_writer(out_dir / "index.json") as fh:
+        fh.write((json.dumps(meta, indent=1) + "\n").encode())
+    fsync_dir(out_dir, strict=False)

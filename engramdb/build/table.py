@@ -17,6 +17,7 @@ ever open files the manifest names.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -43,6 +44,7 @@ from engramdb.disk.publish import (
     write_manifest,
 )
 from engramdb.errors import (
+    EngramDBError,
     InvalidArgument,
     ReadError,
     SourceError,
@@ -52,7 +54,7 @@ from engramdb.errors import (
 from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
 from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
-from engramdb.units import Summary
+from engramdb.units import Summary, format_bytes
 
 __all__ = ["CHUNK_BYTES", "STAGE_BYTES", "BuildSummary", "build", "drop_table"]
 
@@ -187,11 +189,24 @@ class _ShardWriter:
             elif self._staged == STAGE_BYTES:
                 self._flush(final=False)
 
+    @property
+    def shard_index(self) -> int:
+        """The shard being written (0-based)."""
+        return self._index
+
     def close(self) -> None:
+        """Release the descriptor and the staging buffer. Never raises over the error that
+        ended the build: after a failed write a view of the buffer may still be referenced
+        by that error's traceback (`BufferError` on close); the mapping is then freed with
+        the last view instead."""
         if self._fd >= 0:
-            os.close(self._fd)
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
             self._fd = -1
-        self._stage.close()
+        try:
+            self._stage.close()
+        except BufferError:
+            pass
 
 
 def _stream_segment(seg: Segment, bufs: tuple[memoryview, memoryview]) -> Iterator[memoryview]:
@@ -325,13 +340,25 @@ def build(
                 [geo.shard_rows(s) for s in range(geo.n_shards)],
                 geo.rows_per_shard,
             )
+            written = 0
             try:
                 bufs = (memoryview(bytearray(CHUNK_BYTES)), memoryview(bytearray(CHUNK_BYTES)))
                 for seg in segments:
                     for chunk in _stream_segment(seg, bufs):
                         writer.write(chunk)
+                        written += len(chunk)
                         if progress is not None:
                             progress(len(chunk))
+            except OSError as e:
+                if isinstance(e, EngramDBError) or e.errno is None:
+                    raise
+                # the cause, with where it happened and what was still to write
+                raise OSError(
+                    e.errno,
+                    f"{e.strerror or e} while writing shard {writer.shard_index} of "
+                    f"{geo.n_shards} of table {table!r} (needs "
+                    f"{format_bytes(max(0, geo.table_bytes - written))} more)",
+                ) from e
             finally:
                 writer.close()
             fsync_dir(staging)

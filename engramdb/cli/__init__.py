@@ -9,7 +9,7 @@ from engramdb.cli.attach_cmd import attach_cmd
 from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd
-from engramdb.cli.info_cmd import drop_cmd, info_cmd, verify_cmd
+from engramdb.cli.info_cmd import drop_cmd, gc_cmd, info_cmd, verify_cmd
 from engramdb.cli.publish_cmd import publish
 from engramdb.cli.serve_cmd import serve
 from engramdb.cli.view_cmd import view_group
@@ -30,6 +30,7 @@ main.add_command(attach_cmd)
 main.add_command(info_cmd)
 main.add_command(verify_cmd)
 main.add_command(drop_cmd)
+main.add_command(gc_cmd)
 main.add_command(demo_cmd)
 main.add_command(index_cmd)
 main.add_command(warm_cmd)

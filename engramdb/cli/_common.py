@@ -19,7 +19,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def library_errors(fn: F) -> F:
-    """Turn an `EngramDBError` into a one-line ``Error: ...`` and exit status 1."""
+    """Turn an `EngramDBError` into a one-line ``Error: ...`` and exit status 1; an
+    operating-system error (a full disk, a permission) into ``Error: <its message>`` naming
+    the cause and the file, never a traceback. (Ctrl-C is click's ``Aborted!``, exit 1.)"""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -27,6 +29,10 @@ def library_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except EngramDBError as e:
             raise click.ClickException(f"{type(e).__name__}: {e}") from e
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            text = (e.strerror or str(e)) if e.errno is not None else str(e)
+            raise click.ClickException(f"{text}{where}") from e
 
     return wrapper  # type: ignore[return-value]
 

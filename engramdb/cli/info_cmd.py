@@ -8,6 +8,7 @@ import click
 from engramdb.build import drop_table
 from engramdb.cli._common import echo_problems, library_errors, progress_bar, quiet_option
 from engramdb.database import Database
+from engramdb.disk.publish import gc, leftovers
 from engramdb.units import format_bytes
 from engramdb.verify import total_bytes, verify
 
@@ -35,6 +36,8 @@ def info_cmd(db: str, as_json: bool, memory: bool, page_cache_budget: str | None
         return
     with Database(db) as d:
         doc = d.info()
+        left = leftovers(d.path, d.manifest)
+    doc["leftovers"] = [{"path": p, "bytes": n} for p, n in left]
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
@@ -58,6 +61,16 @@ def info_cmd(db: str, as_json: bool, memory: bool, page_cache_budget: str | None
         for f in (att or {}).get("files", [])[:16]:
             click.echo(f"    source: {f['path']} ({format_bytes(f['size'])})")
 
+    if left:
+        total = sum(n for _, n in left)
+        click.echo(
+            f"  leftovers of killed or finished writers: {len(left)}, {format_bytes(total)} "
+            "(`engramdb gc` removes them)"
+        )
+        for path, n in left:
+            click.echo(f"    {path} ({format_bytes(n)})")
+
+
 
 def _memory(db: str, as_json: bool, budget: str | None) -> None:
     with Database(db, page_cache_budget=budget, background_warm=False) as d:
@@ -77,6 +90,19 @@ def _memory(db: str, as_json: bool, budget: str | None) -> None:
         "  (RssFile / RssAnon and the RAM tier belong to the process that reads: "
         "Store.memory() there)"
     )
+
+
+@click.command("gc")
+@click.argument("db", type=click.Path(exists=True, file_okay=False))
+@library_errors
+def gc_cmd(db: str) -> None:
+    """Remove what killed or finished writers left in DB (staging directories, replaced
+    generations, temp files), under the writer lock; nothing the manifest names is touched."""
+    removed = gc(db)
+    total = sum(n for _, n in removed)
+    for path, n in removed:
+        click.echo(f"removed {path} ({format_bytes(n)})")
+    click.echo(f"gc: removed {len(removed)} leftover(s), {format_bytes(total)}")
 
 
 @click.command("verify")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import click
 
 from engramdb.cli._common import library_errors, progress_bar, quiet_option
@@ -48,6 +50,14 @@ from engramdb.units import parse_size
 )
 @click.option("--no-views", is_flag=True, help="Publish the tables only, no views.")
 @quiet_option
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds the master (and an HTTP metadata server) get to accept a connection.",
+)
+@click.option("--verbose", "-v", is_flag=True, help="Show the native Mooncake client's log.")
 @library_errors
 def publish(
     db: str,
@@ -61,6 +71,8 @@ def publish(
     views: tuple[str, ...],
     no_views: bool,
     quiet: bool,
+    connect_timeout: float,
+    verbose: bool,
 ) -> None:
     """Publish tables of database DB into a Mooncake store so every host can read them.
 
@@ -72,6 +84,8 @@ def publish(
     """
     if views and no_views:
         raise click.UsageError("--view and --no-views exclude each other")
+    if verbose:  # the native log is quiet by default (GLOG_minloglevel=2)
+        os.environ["GLOG_minloglevel"] = "0"
     with Database(db) as database:
         chosen = list(tables) or database.tables
         total = sum(
@@ -91,5 +105,6 @@ def publish(
                 views=False if no_views else (list(views) or True),
                 local_hostname=local_hostname,
                 protocol=protocol,
+                connect_timeout=connect_timeout,
             )
     click.echo(summary.line())

@@ -69,6 +69,15 @@ def _limit(flag: str, help: str) -> Any:  # noqa: A002
 @shown_option("--max-response", "256M", "Response body bytes.")
 @_limit("--max-connections", "Open connections; more are refused with a 503.")
 @_limit("--idle-timeout", "Seconds before an idle keep-alive connection is closed.")
+@_limit(
+    "--header-timeout",
+    "Seconds a request head / wire frame header may take once begun, and a new "
+    "connection to complete its first request or HELLO (bytes do not extend it).",
+)
+@_limit(
+    "--max-connections-per-peer",
+    "Open connections of one TCP peer address; more are refused with a 503.",
+)
 @shown_option("--grace", 10.0, "Seconds in-flight requests get to finish after SIGTERM.", float)
 @shown_option(
     "--wire/--no-wire",
@@ -99,6 +108,8 @@ def serve(
     max_response: str,
     max_connections: int,
     idle_timeout: float,
+    header_timeout: float,
+    max_connections_per_peer: int,
     grace: float,
     wire: bool,
     spin_us: float,
@@ -126,6 +137,8 @@ def serve(
         max_response_bytes=parse_size(max_response),
         max_connections=max_connections,
         idle_timeout=idle_timeout,
+        header_timeout=header_timeout,
+        max_connections_per_peer=max_connections_per_peer,
     )
     server = Server(
         db,

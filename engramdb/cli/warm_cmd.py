@@ -38,6 +38,12 @@ from engramdb.warm import hold, residency, warm_hot, warm_tables, warm_view
     default=None,
     help="Hold for this long (--lock/--watch; default: until interrupted).",
 )
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Hash each warmed table's 64 MiB blocks against the manifest (ChecksumMismatch).",
+)
 @quiet_option
 @library_errors
 def warm_cmd(
@@ -52,6 +58,7 @@ def warm_cmd(
     lock_budget: str | None,
     watch: bool,
     seconds: float | None,
+    verify: bool,
     quiet: bool,
 ) -> None:
     """Load tables of DB into the page cache at device speed (MADV_POPULATE_READ from
@@ -93,7 +100,9 @@ def warm_cmd(
             return
         total = sum(d[n].nbytes for n in names)
         with progress_bar(quiet, "warming", total) as bar:
-            summaries = warm_tables(d, names, threads=threads, progress=bar.update)
+            summaries = warm_tables(
+                d, names, threads=threads, progress=bar.update, verify=verify
+            )
         echo_summaries(summaries)
         if lock or watch:
             budget = parse_size(lock_budget) if lock_budget is not None else None

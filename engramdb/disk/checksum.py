@@ -16,6 +16,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from engramdb.disk.files import open_regular
+from engramdb.errors import EngramDBError
 from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry
 
 __all__ = ["BlockHasher", "HashedWriter", "HashingFile", "Problem", "check_file"]
@@ -46,6 +48,8 @@ class Problem:
 
     def line(self) -> str:
         """One line for a human: what, where, which bytes."""
+        if self.view is None and "/index" in self.file:
+            return f"table {self.table!r} index {self.file!r}: {self.what}"
         if self.view is None:
             return (
                 f"table {self.table!r} shard {self.file!r} bytes [{self.start}, {self.end}): "
@@ -164,6 +168,7 @@ def check_file(
     view: str | None = None,
     full: bool = True,
     progress: Callable[[int], None] | None = None,
+    fd: int | None = None,
 ) -> list[Problem]:
     """Check ``db/entry.path`` against its manifest entry; the problems found (empty: intact).
 
@@ -171,15 +176,23 @@ def check_file(
     ``table`` / ``view`` go into each `Problem`. Checks existence and size, then with
     ``full`` (the default) recomputes the xxh3-64 of each block and of the whole file.
     ``progress`` is called with each read's byte count. Cost: one sequential read of the
-    file with one 8 MiB buffer."""
+    file with one 8 MiB buffer. ``fd``: the file already opened by the caller (an attached
+    table's source, outside the database: identity-checked, not confined), read through a
+    duplicate so the caller's descriptor stays open."""
 
     def problem(start: int, end: int, text: str) -> Problem:
         return Problem(table, entry.path, start, end, text, view=view)
 
-    try:
-        f = open(Path(db) / entry.path, "rb", buffering=0)
-    except FileNotFoundError:
+    if fd is not None:
+        opened: tuple[int, int] | None = (os.dup(fd), os.fstat(fd).st_size)
+    else:
+        try:
+            opened = open_regular(Path(db), entry.path, what)
+        except EngramDBError as e:  # a symlink, FIFO, directory, or a path leaving the database
+            return [problem(0, entry.bytes, str(e))]
+    if opened is None:
         return [problem(0, entry.bytes, f"{what} is missing")]
+    f = open(opened[0], "rb", buffering=0, closefd=True)
     with f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:

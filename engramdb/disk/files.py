@@ -1,14 +1,25 @@
-"""Opening and syncing files: every size check against the manifest lives here."""
+"""Opening and syncing files: every size check against the manifest lives here, and the one
+rule for opening a file a manifest (or an index) names: `open_regular`.
+
+Every such file is *confined* to the database directory: its path is relative, made of plain
+names (no ``""``, ``.``, ``..``, NUL), no directory on the way is a symlink (``lstat``), the
+file itself is opened with ``O_NOFOLLOW`` (a symlinked file is refused, never followed to
+``/etc/passwd``) and ``O_NONBLOCK`` (a FIFO cannot hang the open), and it must be a regular
+file (``fstat``): a FIFO, device, socket or directory is `CorruptFile`. The database
+directory itself may be a symlink (the operator's choice of where it lives).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 import xxhash
 
 from engramdb._durable import atomic_write_bytes, atomic_writer, fsync_dir
-from engramdb.errors import CorruptFile, SourceChanged, SourceError, TruncatedFile
+from engramdb.errors import CorruptFile, CorruptManifest, SourceChanged, SourceError, TruncatedFile
 from engramdb.layouts.manifest import SourceFile, TableInfo
 
 #: Blocks hashed per source file at attach and checked at every open (plus the header).
@@ -18,26 +29,108 @@ SAMPLE_BYTES = 64 * 1024
 __all__ = [
     "atomic_write_bytes",
     "atomic_writer",
+    "confined",
     "fsync_dir",
     "mem_available",
     "open_checked",
+    "open_regular",
     "open_shards",
     "open_sources",
     "source_identity",
+    "read_regular",
 ]
 
 
-def _open_sized(path: Path) -> tuple[int, int] | None:
-    """``(fd, size)`` of ``path`` opened read-only (close-on-exec), or None if missing."""
+def confined(db: Path, rel: str, what: str) -> Path:
+    """``db/rel`` after checking that ``rel`` stays inside ``db``: a relative ``/``-separated
+    path of plain names, and no directory on the way a symlink or a non-directory.
+    `CorruptManifest` for a malformed path, `CorruptFile` for a symlinked directory; a
+    missing directory is left to the open (missing file)."""
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or "\0" in rel
+        or rel.startswith("/")
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise CorruptManifest(
+            f"{what}: path {rel!r} is not a relative path of plain names inside the database"
+        )
+    parts = rel.split("/")
+    cur = Path(db)
+    for part in parts[:-1]:
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        if stat.S_ISLNK(st.st_mode):
+            raise CorruptFile(
+                f"{what}: {rel!r} passes through the symlink {str(cur)!r}; files must lie "
+                "inside the database directory"
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptFile(f"{what}: {rel!r}: {str(cur)!r} is not a directory")
+    return Path(db) / rel
+
+
+def open_regular(db: Path, rel: str, what: str) -> tuple[int, int] | None:
+    """``(fd, size)`` of the confined regular file ``db/rel`` opened read-only (close-on-exec),
+    or None if it is missing. A symlink, FIFO, device, socket or directory is `CorruptFile`
+    naming ``what`` and the path."""
+    path = confined(db, rel, what)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptFile(
+                f"{what}: {rel!r} is a symlink; only regular files are read"
+            ) from None
+        raise
     try:
-        return fd, os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a device or socket"
+            )
+            raise CorruptFile(f"{what}: {rel!r} is {kind}, not a regular file")
+        return fd, st.st_size
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_regular(db: Path, rel: str, what: str, *, max_bytes: int) -> bytes | None:
+    """The bytes of the confined regular file ``db/rel`` (None if missing); `CorruptFile`
+    if it is larger than ``max_bytes`` (checked with ``fstat`` before reading)."""
+    opened = open_regular(db, rel, what)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if size > max_bytes:
+            raise CorruptFile(f"{what}: {rel!r} has {size:,} bytes, at most {max_bytes:,} expected")
+        chunks = []
+        left = size
+        while left > 0:
+            b = os.read(fd, left)
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _open_sized(db: Path, rel: str, what: str) -> tuple[int, int] | None:
+    return open_regular(db, rel, what)
 
 
 def open_checked(db: Path, rel_path: str, expect_bytes: int, what: str) -> int:
@@ -46,7 +139,7 @@ def open_checked(db: Path, rel_path: str, expect_bytes: int, what: str) -> int:
     ``what`` names the owner in the error (e.g. ``"view 't/v'"``). A missing or short file
     raises `TruncatedFile`, a longer one `CorruptFile`. Returns the fd (the caller closes it).
     """
-    opened = _open_sized(db / rel_path)
+    opened = _open_sized(db, rel_path, what)
     if opened is None:
         raise TruncatedFile(f"{what}: file {rel_path!r} is missing")
     fd, size = opened
@@ -159,7 +252,7 @@ def open_shards(db: Path, info: TableInfo) -> list[int]:
     fds: list[int] = []
     try:
         for s in info.shards:
-            opened = _open_sized(db / s.path)
+            opened = _open_sized(db, s.path, f"table {info.name!r}: shard")
             if opened is None:
                 raise TruncatedFile(f"table {info.name!r}: shard {s.path!r} is missing")
             fd, size = opened

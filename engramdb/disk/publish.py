@@ -10,9 +10,11 @@ directory fsync) and finally `collect_garbage` removes what the manifest no long
 from __future__ import annotations
 
 import builtins
+import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engramdb._durable import fsync_dir
-from engramdb.errors import CorruptManifest, DatabaseNotFound, EngramDBError
+from engramdb.disk.files import open_regular
+from engramdb.errors import CorruptFile, CorruptManifest, DatabaseNotFound, EngramDBError
 from engramdb.layouts.manifest import (
     EMPTY,
     MANIFEST_NAME,
@@ -35,8 +38,11 @@ __all__ = [
     "STAGING_PREFIX",
     "collect_garbage",
     "database_lock",
+    "gc",
+    "leftovers",
     "new_generation_id",
     "new_staging_dir",
+    "publish_dir",
     "read_manifest",
     "read_manifest_or_empty",
     "write_manifest",
@@ -50,7 +56,20 @@ STAGING_PREFIX = ".staging-"
 @contextmanager
 def database_lock(db: Path) -> Iterator[None]:
     """Exclusive writer lock on a database directory (blocks until free)."""
-    fd = os.open(Path(db) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(db) / LOCK_NAME
+    try:
+        # never through a symlink: the writer must not create or lock a file outside the DB
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptFile(
+                f"{str(path)!r} is a symlink; the writer lock must be a regular file inside the "
+                "database directory"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptFile(f"{str(path)!r} is not a regular file; cannot use it as the lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -60,7 +79,10 @@ def database_lock(db: Path) -> Iterator[None]:
 
 def _manifest_bytes(path: str | os.PathLike[str]) -> bytes:
     """The bytes of ``<path>/manifest.json``, refused above `MAX_MANIFEST_BYTES`."""
-    with builtins.open(Path(path) / MANIFEST_NAME, "rb") as f:
+    opened = open_regular(Path(path), MANIFEST_NAME, "manifest")  # no symlink, no FIFO
+    if opened is None:
+        raise FileNotFoundError(MANIFEST_NAME)
+    with builtins.open(opened[0], "rb", closefd=True) as f:
         text = f.read(MAX_MANIFEST_BYTES + 1)
     if len(text) > MAX_MANIFEST_BYTES:
         raise CorruptManifest(f"manifest of {str(path)!r} exceeds {MAX_MANIFEST_BYTES} bytes")
@@ -102,6 +124,11 @@ def write_manifest(db: Path, manifest: Manifest) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, db / MANIFEST_NAME)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, EngramDBError) or e.errno is None:
+            raise
+        raise OSError(e.errno, f"{e.strerror or e} while writing the manifest ({tmp.name})") from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -125,28 +152,148 @@ def new_staging_dir(parent: Path, tag: str) -> Path:
     return staging
 
 
-def _collect_table_garbage(db: Path, manifest: Manifest) -> None:
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the directories ``a`` and ``b`` (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``). False where the kernel or libc lacks it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_dir(staging: Path, target: Path) -> None:
+    """Make the complete, fsynced directory ``staging`` visible as ``target`` in one atomic
+    step: a plain ``rename`` when ``target`` does not exist, else an atomic exchange
+    (``renameat2(RENAME_EXCHANGE)``) after which the previous directory, now at ``staging``,
+    is removed. Readers see the old set of files or the new one, never a mix. (Where the
+    exchange is unavailable, the old directory is moved aside first: a reader in that
+    instant finds no directory, never a mixed one.) Call with the database lock held."""
+    staging, target = Path(staging), Path(target)
+    if target.is_symlink():
+        raise CorruptFile(f"{str(target)!r} is a symlink; refusing to publish through it")
+    if not target.exists():
+        os.rename(staging, target)
+    elif _renameat2_exchange(staging, target):
+        pass
+    else:
+        aside = staging.with_name(staging.name + "-old")
+        os.rename(target, aside)
+        os.rename(staging, target)
+        staging = aside
+    fsync_dir(target.parent)
+    if staging.exists():
+        _remove_tree(staging)
+
+
+def _real_dirs(d: Path) -> list[Path]:
+    """The real (not symlinked) subdirectories of ``d``: garbage collection never descends
+    into, or deletes through, a symlink (it may point outside the database)."""
+    try:
+        with os.scandir(d) as it:
+            return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove the real directory ``path`` (``shutil.rmtree`` unlinks symlinks inside it, never
+    follows them); a symlink in its place is left alone."""
+    if os.path.islink(path):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def leftovers(db: Path, manifest: Manifest) -> list[tuple[str, int]]:
+    """What garbage collection would remove: ``(relative path, bytes)`` of every staging
+    directory, unreferenced generation, view staging directory and manifest temp file (the
+    traces of killed or finished writers). Symlinks are neither followed nor listed."""
+    db = Path(db)
+    referenced = _referenced_generations(manifest)
+    found: list[Path] = []
+    for tdir in _real_dirs(db):
+        if tdir.name.startswith("."):
+            continue
+        for gen in _real_dirs(tdir):
+            if gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX):
+                if f"{tdir.name}/{gen.name}" not in referenced:
+                    found.append(gen)
+        for st in _real_dirs(tdir / "views"):
+            if st.name.startswith(STAGING_PREFIX):
+                found.append(st)
+    found.extend(p for p in db.glob(f".{MANIFEST_NAME}.tmp-*") if not p.is_symlink())
+    return [(str(p.relative_to(db)), _tree_bytes(p)) for p in sorted(found)]
+
+
+def gc(db: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """``engramdb gc``: under the writer lock, remove what killed or finished writers left
+    (`leftovers`: staging directories, replaced generations, manifest temp files; and view
+    files the manifest no longer names). Returns what was removed, ``(path, bytes)``. Safe
+    while readers run: nothing a manifest names is touched, and an open `Database` keeps
+    descriptors of the files it serves."""
+    db = Path(db)
+    with database_lock(db):
+        manifest = read_manifest(db)
+        found = leftovers(db, manifest)
+        collect_garbage(db, manifest)
+    return found
+
+
+def _tree_bytes(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return os.lstat(path).st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):  # os.walk does not follow symlinks
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _referenced_generations(manifest: Manifest) -> set[str]:
     referenced: set[str] = set()
     for t in manifest.tables.values():
         for s in t.shards:
             referenced.add(s.path.rsplit("/", 1)[0])
-    for tdir in db.iterdir():
-        if not tdir.is_dir() or tdir.name.startswith("."):
+    return referenced
+
+
+def _collect_table_garbage(db: Path, manifest: Manifest) -> None:
+    referenced = _referenced_generations(manifest)
+    for tdir in _real_dirs(db):
+        if tdir.name.startswith("."):
             continue
-        for gen in tdir.iterdir():
-            if gen.is_dir() and (gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX)):
+        for gen in _real_dirs(tdir):
+            if gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX):
                 if f"{tdir.name}/{gen.name}" not in referenced:
-                    shutil.rmtree(gen, ignore_errors=True)
+                    _remove_tree(gen)
         if tdir.name not in manifest.tables and not any(tdir.iterdir()):
             tdir.rmdir()
     for tmp in db.glob(f".{MANIFEST_NAME}.tmp-*"):
-        tmp.unlink(missing_ok=True)
+        if not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
 
 
 def _collect_view_garbage(db: Path, manifest: Manifest) -> None:
     for name, info in manifest.tables.items():
         vdir = db / name / "views"
-        if not vdir.is_dir():
+        if vdir.is_symlink() or not vdir.is_dir() or (db / name).is_symlink():
             continue
         try:
             named = {f.path for e in parse_views(info).values() for f in e.files}
@@ -154,8 +301,10 @@ def _collect_view_garbage(db: Path, manifest: Manifest) -> None:
             continue  # never delete on the word of a manifest we cannot read
         for p in vdir.iterdir():
             rel = f"{name}/views/{p.name}"
+            if p.is_symlink():
+                continue  # never deleted through, never followed
             if p.is_dir() and p.name.startswith(STAGING_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove_tree(p)
             elif p.is_file() and rel not in named:
                 p.unlink(missing_ok=True)
 

@@ -226,13 +226,59 @@ class Manifest:
         return Manifest(tables=tables, generation=self.generation + 1)
 
 
+#: Deepest nesting of JSON containers a manifest may have (a real one nests 5 levels; views
+#: a few more). Checked before parsing, so a hostile file cannot exhaust the stack.
+MAX_MANIFEST_DEPTH = 64
+
+
 def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
+    if not isinstance(d, dict):
+        raise CorruptManifest(f"manifest: {where} must be a JSON object, got {type(d).__name__}")
+    if key not in d:
         raise CorruptManifest(f"manifest: {where} lacks field {key!r}")
     v = d[key]
-    if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
-        raise CorruptManifest(f"manifest: {where}.{key} has the wrong type ({v!r})")
+    ints = typ is int or (isinstance(typ, tuple) and int in typ and bool not in typ)
+    if not isinstance(v, typ) or (isinstance(v, bool) and ints):
+        raise CorruptManifest(
+            f"manifest: {where}.{key} has the wrong type ({type(v).__name__} {str(v)[:60]!r})"
+        )
     return v
+
+
+def _opt(
+    d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str, default: Any
+) -> Any:
+    """An optional field: ``default`` when absent, else `_req` (a wrong type is refused)."""
+    if key not in d:
+        return default
+    return _req(d, key, typ, where)
+
+
+def check_rel_path(path: str, where: str) -> str:
+    """A path a manifest names: relative, ``/``-separated plain names (no ``""``, ``.``,
+    ``..``, NUL). `CorruptManifest` naming ``where`` otherwise."""
+    if (
+        not path
+        or "\0" in path
+        or path.startswith("/")
+        or any(p in ("", ".", "..") for p in path.split("/"))
+    ):
+        raise CorruptManifest(
+            f"manifest: {where} {path!r} leaves the database (a path must be relative plain "
+            "names inside it)"
+        )
+    return path
+
+
+def _depth_ok(text: bytes) -> bool:
+    """True unless ``text`` nests more than `MAX_MANIFEST_DEPTH` containers (a C-speed pass;
+    brackets inside strings count too, which only makes the bound stricter)."""
+    if text.count(b"[") + text.count(b"{") <= MAX_MANIFEST_DEPTH:
+        return True
+    b = np.frombuffer(text, np.uint8)
+    step = (b == ord("[")).astype(np.int8) + (b == ord("{"))
+    step -= (b == ord("]")).astype(np.int8) + (b == ord("}"))
+    return int(np.cumsum(step, dtype=np.int64).max()) <= MAX_MANIFEST_DEPTH
 
 
 def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
@@ -251,7 +297,7 @@ def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
         )
     offset = 0
     for i, h in enumerate(heads_doc):
-        if h.get("offset", offset) != offset:
+        if _opt(h, "offset", int, f"{where}.heads[{i}]", offset) != offset:
             raise CorruptManifest(f"manifest: {where}.heads[{i}].offset is not the prefix sum")
         offset += h["rows"]
     layout = _req(d, "layout", dict, where)
@@ -278,13 +324,16 @@ def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
     shards = []
     for i, s in enumerate(shards_doc):
         sw = f"{where}.shards[{i}]"
+        blocks = _opt(s, "blocks", list, sw, [])
+        if not all(isinstance(b, str) for b in blocks):
+            raise CorruptManifest(f"manifest: {sw}.blocks must be a list of hex strings")
         info = ShardInfo(
-            path=_req(s, "path", str, sw),
+            path=check_rel_path(_req(s, "path", str, sw), f"{sw}.path"),
             first_row=_req(s, "first_row", int, sw),
             rows=_req(s, "rows", int, sw),
             bytes=_req(s, "bytes", int, sw),
             xxh3_64=_req(s, "xxh3_64", str, sw),
-            blocks=tuple(s.get("blocks", [])),
+            blocks=tuple(blocks),
         )
         if (
             info.first_row != i * geo.rows_per_shard
@@ -313,17 +362,23 @@ def _parse_table(name: str, d: dict[str, Any]) -> TableInfo:
         "sources",
         "provenance",
     }
-    dim = d.get("dim")
+    dim = _opt(d, "dim", (int, type(None)), where, None)
+    sources = _opt(d, "sources", list, where, [])
+    for i, src in enumerate(sources):
+        if not isinstance(src, dict):
+            raise CorruptManifest(
+                f"manifest: {where}.sources[{i}] must be an object, got {type(src).__name__}"
+            )
     return TableInfo(
         name=name,
         row_bytes=row_bytes,
         heads=heads,
         geometry=geo,
         shards=tuple(shards),
-        dtype=str(d.get("dtype", "u8")),
-        dim=int(dim) if isinstance(dim, int) else None,
-        sources=tuple(d.get("sources", [])),
-        provenance=dict(d.get("provenance", {})),
+        dtype=_opt(d, "dtype", str, where, "u8"),
+        dim=dim,
+        sources=tuple(sources),
+        provenance=dict(_opt(d, "provenance", dict, where, {})),
         extra={k: v for k, v in d.items() if k not in known},
     )
 
@@ -417,23 +472,41 @@ def _parse_attached(
 
 
 def parse_manifest(text: str | bytes) -> Manifest:
-    """Parse and validate manifest JSON; any violation raises `CorruptManifest`."""
+    """Parse and validate manifest JSON; any violation raises `CorruptManifest` naming the
+    field (a wrong JSON type, a missing field, a hostile path, nesting past
+    `MAX_MANIFEST_DEPTH`, a ``format_version`` that is not the integer 1)."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    if not _depth_ok(raw):
+        raise CorruptManifest(f"manifest nests JSON deeper than {MAX_MANIFEST_DEPTH} levels")
     try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptManifest(f"manifest is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptManifest("manifest: 'format' is not 'engramdb'")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise CorruptManifest(
             f"manifest: format_version {version!r} is not supported (this engine reads "
             f"{FORMAT_VERSION})"
         )
     tables_doc = _req(doc, "tables", dict, "top level")
-    tables = {name: _parse_table(name, t) for name, t in tables_doc.items()}
-    gen = doc.get("generation", 0)
-    return Manifest(tables=tables, generation=int(gen) if isinstance(gen, int) else 0)
+    tables = {}
+    for name, t in tables_doc.items():
+        try:
+            tables[name] = _parse_table(name, t)
+        except CorruptManifest:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+            # a backstop: a value of a shape no check above foresaw is still a typed error
+            raise CorruptManifest(
+                f"manifest: table {str(name)[:60]!r} has a malformed field "
+                f"({type(e).__name__}: {str(e)[:120]})"
+            ) from None
+    gen = _opt(doc, "generation", int, "top level", 0)
+    if gen < 0:
+        raise CorruptManifest(f"manifest: generation {gen} is negative")
+    return Manifest(tables=tables, generation=gen)
 
 
 EMPTY = Manifest(tables={}, generation=0)

@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from engramdb.disk.files import open_regular, read_regular
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     ChecksumMismatch,
@@ -28,7 +29,7 @@ from engramdb.errors import (
 )
 from engramdb.layouts.manifest import Manifest, TableInfo
 
-__all__ = ["FORMAT", "VERSION", "TableIndex", "load_index", "pick_table"]
+__all__ = ["FORMAT", "VERSION", "TableIndex", "load_index", "pick_table", "read_index_meta"]
 
 FORMAT = "engramdb-index"
 VERSION = 1
@@ -58,27 +59,77 @@ def pick_table(manifest: Manifest, table: str | None, db: Path) -> TableInfo:
     return tables[table]
 
 
-def _read_arrays(
-    path: Path, meta: dict[str, Any], layout: list[tuple[np.dtype, tuple[int, ...]]]
-) -> list[np.ndarray]:
-    try:
-        blob = path.read_bytes()
-    except FileNotFoundError:
-        raise TruncatedFile(f"{path}: missing (index.json lists it)") from None
-    if len(blob) != meta.get("bytes"):
-        raise TruncatedFile(f"{path}: {len(blob)} bytes, index.json says {meta.get('bytes')}")
-    digest = xxhash.xxh3_64_hexdigest(blob)
-    if digest != meta.get("xxh3_64"):
-        raise ChecksumMismatch(
-            f"{path}: xxh3-64 {digest} differs from index.json {meta.get('xxh3_64')}"
+#: Largest ``index.json`` read (it holds counts and names, a few KiB).
+MAX_INDEX_JSON_BYTES = 1 << 20
+
+
+def _field(doc: Any, path: str, typ: type | tuple[type, ...], where: str) -> Any:
+    """``doc[a][b]...`` for ``path`` ``"a.b"``, of type ``typ`` (bool is never an int);
+    `CorruptFile` naming the field otherwise."""
+    cur = doc
+    for key in path.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            raise CorruptFile(f"{where}: field {path!r} is missing")
+        cur = cur[key]
+    ok = isinstance(cur, typ) and not (isinstance(cur, bool) and bool not in _types(typ))
+    if not ok:
+        raise CorruptFile(
+            f"{where}: field {path!r} must be {_names(typ)}, got {type(cur).__name__}"
         )
+    if isinstance(cur, int) and not isinstance(cur, bool) and cur < 0:
+        raise CorruptFile(f"{where}: field {path!r} must be >= 0, got {cur}")
+    return cur
+
+
+def _types(typ: type | tuple[type, ...]) -> tuple[type, ...]:
+    return typ if isinstance(typ, tuple) else (typ,)
+
+
+def _names(typ: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in _types(typ))
+
+
+def _read_arrays(
+    db: Path,
+    index_dir: str,
+    meta: dict[str, Any],
+    part: str,
+    layout: list[tuple[np.dtype, tuple[int, ...]]],
+) -> list[np.ndarray]:
+    where = f"{index_dir}/index.json"
+    name = _field(meta, f"{part}.file", str, where)
+    if "/" in name or name in ("", ".", ".."):
+        raise CorruptFile(f"{where}: field {part + '.file'!r} {name!r} is not a file name")
+    size = _field(meta, f"{part}.bytes", int, where)
+    raw_bytes = _field(meta, f"{part}.raw_bytes", int, where)
+    digest_want = _field(meta, f"{part}.xxh3_64", str, where)
+    rel = f"{index_dir}/{name}"
+    # confined to the database, a regular file, its size checked before a byte is read
+    opened = open_regular(db, rel, f"index file {part}")
+    if opened is None:
+        raise TruncatedFile(f"{rel}: missing (index.json lists it)")
+    fd, actual = opened
     try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=int(meta["raw_bytes"]))
-    except zstandard.ZstdError as exc:
-        raise CorruptFile(f"{path}: zstd frame does not decode ({exc})") from exc
+        if actual != size:
+            raise TruncatedFile(f"{rel}: {actual} bytes, index.json says {size}")
+        with open(fd, "rb", closefd=False) as f:
+            blob = f.read(size + 1)
+    finally:
+        os.close(fd)
+    if len(blob) != size:
+        raise TruncatedFile(f"{rel}: {len(blob)} bytes, index.json says {size}")
+    digest = xxhash.xxh3_64_hexdigest(blob)
+    if digest != digest_want:
+        raise ChecksumMismatch(f"{rel}: xxh3-64 {digest} differs from index.json {digest_want}")
     want = sum(dt.itemsize * math.prod(shape) for dt, shape in layout)
+    if raw_bytes != want:
+        raise CorruptFile(f"{where}: {part}.raw_bytes is {raw_bytes}, its rows need {want}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_bytes)
+    except zstandard.ZstdError as exc:
+        raise CorruptFile(f"{rel}: zstd frame does not decode ({exc})") from exc
     if len(raw) != want:
-        raise CorruptFile(f"{path}: {len(raw)} raw bytes, expected {want}")
+        raise CorruptFile(f"{rel}: {len(raw)} raw bytes, expected {want}")
     out, pos = [], 0
     for dt, shape in layout:
         n = dt.itemsize * math.prod(shape)
@@ -87,30 +138,52 @@ def _read_arrays(
     return out
 
 
+def read_index_meta(db: Path, table: str) -> dict[str, Any] | None:
+    """The parsed ``index.json`` of ``table`` (None if the table has none): a confined regular
+    file of at most `MAX_INDEX_JSON_BYTES`, a JSON object of this format and version;
+    `CorruptFile` naming what is wrong otherwise."""
+    rel = f"{table}/index/index.json"
+    text = read_regular(db, rel, "index", max_bytes=MAX_INDEX_JSON_BYTES)
+    if text is None:
+        return None
+    if text.count(b"[") + text.count(b"{") > 10_000:
+        raise CorruptFile(f"{rel}: nests or lists more containers than an index holds")
+    try:
+        meta = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptFile(f"{rel}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CorruptFile(f"{rel}: must be a JSON object, got {type(meta).__name__}")
+    version = meta.get("version")
+    if meta.get("format") != FORMAT or type(version) is not int or version != VERSION:
+        raise CorruptFile(f"{rel}: not an {FORMAT} v{VERSION} file (fields format, version)")
+    return meta
+
+
 def load_index(db_path: str | os.PathLike[str], table: str) -> TableIndex:
-    """Read and verify (sizes, xxh3-64) the index of ``table``. Reads and inflates both files."""
+    """Read and verify (types, sizes, xxh3-64) the index of ``table``. Reads and inflates
+    both files; every malformed field is a `CorruptFile` naming it."""
     db = Path(db_path)
     pick_table(read_manifest(db), table, db)
-    out_dir = db / table / "index"
-    meta_path = out_dir / "index.json"
-    if not meta_path.is_file():
+    meta = read_index_meta(db, table)
+    if meta is None:
         raise TableNotFound(f"table {table!r} in {db} has no index (run `engramdb index`)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptFile(f"{meta_path}: not valid JSON ({exc})") from exc
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CorruptFile(f"{meta_path}: not an {FORMAT} v{VERSION} file")
-    n_hot = int(meta["hot"]["rows"])
+    where = f"{table}/index/index.json"
+    n_hot = _field(meta, "hot.rows", int, where)
     hot_rows, hot_counts = _read_arrays(
-        out_dir / meta["hot"]["file"],
-        meta["hot"],
+        db,
+        f"{table}/index",
+        meta,
+        "hot",
         [(np.dtype("<i8"), (n_hot,)), (np.dtype("<u8"), (n_hot,))],
     )
-    n_keys, width = int(meta["keys"]["keys"]), int(meta["keys"]["width"])
+    n_keys = _field(meta, "keys.keys", int, where)
+    width = _field(meta, "keys.width", int, where)
     keys, key_counts = _read_arrays(
-        out_dir / meta["keys"]["file"],
-        meta["keys"],
+        db,
+        f"{table}/index",
+        meta,
+        "keys",
         [(np.dtype("<i8"), (n_keys, width)), (np.dtype("<u8"), (n_keys,))],
     )
     return TableIndex(

@@ -47,7 +47,7 @@ from engramdb.read.plan import ReadPlan, assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
-from engramdb.validate import check_bounds
+from engramdb.validate import check_batch, check_bounds
 
 __all__ = ["LocalTable"]
 
@@ -88,6 +88,7 @@ class LocalTable(RowTable):
         keep_warm: bool = False,
         warm_rate: int | str = WARM_RATE,
         background_warm: bool = True,
+        fds: list[int] | None = None,
         **backend_options: Any,
     ):
         RowTable.__init__(self, TableSchema.of(info))
@@ -102,7 +103,10 @@ class LocalTable(RowTable):
         self._db = Path(db_path)
         self.info = info
         self.geometry: TableGeometry = info.geometry
-        self._fds = open_shards(self._db, info)  # attached: identity-checked source files
+        # ``fds``: the shards (attached: the identity-checked source files) already opened by
+        # `Database` at open time; this table owns them from here on (closes them on error
+        # and in `close`)
+        self._fds = open_shards(self._db, info) if fds is None else list(fds)
         self._mapping: ShardMapping | SourceSegments | None = None
         #: An attached table's source mappings (None for a built table).
         self._segments: SourceSegments | None = None
@@ -512,6 +516,10 @@ class LocalTable(RowTable):
             table = self._table
             if table is None:
                 raise StoreClosed(f"table {self.name!r} is closed")
+            if (rowids.base is not None or out.base is not None) and np.may_share_memory(
+                rowids, out
+            ):
+                rowids = rowids.copy()  # the gather would overwrite ids it has not read yet
             t0 = _clock()
             table.take(rowids, 0, out, "clip")  # the method: no dispatch wrapper (~0.7 us)
             dt = _clock() - t0
@@ -530,6 +538,7 @@ class LocalTable(RowTable):
         ids = rowids if type(rowids) is np.ndarray and rowids.dtype is _I64 else None
         if ids is None:
             return RowTable.fetch(self, rowids)
+        check_batch(ids.shape, self.row_bytes)
         flat = ids.reshape(-1)
         check_bounds(flat, self.n_rows, shape=ids.shape)
         out = self._pool.empty(ids.shape + (self.row_bytes,), flat.size * self.row_bytes)

@@ -35,6 +35,16 @@ class Limits:
 
     ``inline_max_bytes``: responses up to this size are gathered on the event loop; larger
     ones on a worker thread (a thread hand-off costs ~20-50 us, a 1 MiB gather ~60 us).
+
+    Connection hygiene (docs/serve.md, "Hostile clients"): ``header_timeout`` is the most
+    seconds a request head (HTTP) or a frame (wire) may take to arrive once its first byte
+    came, and the most a new connection may take to complete its first request (HTTP) or
+    HELLO (wire); bytes arriving do not extend it. A connection that has not done so is
+    *unproven*: at most ``max_connections - reserved_connections`` of them (the reserve is at
+    most half) are kept (the
+    oldest is closed for a newcomer), so proven clients always find a slot.
+    ``max_connections_per_peer`` bounds the connections of one TCP peer address (Unix
+    socket peers are local and not counted).
     """
 
     max_rows: int = 1 << 20
@@ -44,11 +54,20 @@ class Limits:
     max_connections: int = 1024
     idle_timeout: float = 300.0
     inline_max_bytes: int = 1 << 20
+    header_timeout: float = 10.0
+    max_connections_per_peer: int = 128
+    reserved_connections: int = 64
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise InvalidArgument(f"limit {name} must be a positive number, got {value!r}")
+
+    @property
+    def max_unproven(self) -> int:
+        """Connections that have not yet completed a first request / HELLO, at most (the
+        reserve is capped at half of ``max_connections``)."""
+        return self.max_connections - min(self.reserved_connections, self.max_connections // 2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +88,7 @@ class Limits:
         if nbytes > self.max_response_bytes:
             raise RequestTooLarge(
                 f"response would be {nbytes:,} bytes ({n_ids:,} rows x {row_bytes} B), the "
-                f"limit is {self.max_response_bytes:,}"
+                f"limit is {self.max_response_bytes:,} (max_response_bytes)"
             )
         return nbytes
 
@@ -171,6 +190,35 @@ class ServingContext:
         self._stores_lock = threading.Lock()
         self._stores: dict[str, Store] = {}
         self._views: dict[tuple[str, str], Any] = {}
+        self._peers: dict[str, int] = {}
+        self._peers_lock = threading.Lock()
+
+    # -- per-peer connection accounting (TCP) -----------------------------------------------
+    def admit_peer(self, peer: str | None) -> bool:
+        """Count one more connection of ``peer`` (a TCP address; None for a Unix socket, never
+        limited). False (nothing counted) if the peer is at ``max_connections_per_peer``."""
+        if peer is None:
+            return True
+        with self._peers_lock:
+            n = self._peers.get(peer, 0)
+            if n >= self.limits.max_connections_per_peer:
+                return False
+            self._peers[peer] = n + 1
+        return True
+
+    def release_peer(self, peer: str | None) -> None:
+        """A connection of ``peer`` closed (any thread)."""
+        if peer is None:
+            return
+        with self._peers_lock:
+            n = self._peers.get(peer, 0) - 1
+            if n > 0:
+                self._peers[peer] = n
+            else:
+                self._peers.pop(peer, None)
+
+    def peer_connections(self, peer: str) -> int:
+        return self._peers.get(peer, 0)
 
     @property
     def table_names(self) -> list[str]:

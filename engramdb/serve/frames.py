@@ -106,7 +106,8 @@ def parse_ids(payload: memoryview, ndim: int) -> np.ndarray:
             raise ShapeMismatch(f"frame says {int(words[0])} ids, its payload holds {n}")
         return words[1:]
     dims = tuple(int(d) for d in words[:ndim])
-    if min(dims) < 0 or math.prod(dims) != n:
+    P.check_dims(dims, "frame shape")
+    if math.prod(dims) != n:
         raise ShapeMismatch(f"frame shape {dims} holds {math.prod(dims)} ids, the payload {n}")
     return words[ndim:].reshape(dims)
 

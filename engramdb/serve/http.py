@@ -48,9 +48,15 @@ class HttpConnection:
     States: reading (``busy`` False) -> a reply is gathered off-loop or only partly sent
     (``busy`` True; reading paused, which pushes back on a client that pipelines) -> reading.
 
-    ``adopt(sock, initial)`` takes over a connection whose first bytes are the wire magic
-    (None: this server does not speak the wire protocol); ``forget(conn)`` is called once
-    the connection is closed or handed over.
+    ``adopt(sock, initial, peer, born)`` takes over a connection whose first bytes are the
+    wire magic (None: this server does not speak the wire protocol); ``forget(conn)`` is
+    called once the connection is closed or handed over; ``prove(conn)`` once its first
+    request head arrived complete and authenticated (the connection is then *proven*).
+
+    Memory before that point is bounded: the socket is read into ``recv_buf`` (one buffer
+    shared by every connection of the loop; its bytes are copied out at once), the pending
+    head is at most ``max_header_bytes``, and the body of a request whose head fails
+    authentication is read and dropped, never buffered.
     """
 
     __slots__ = (
@@ -78,6 +84,11 @@ class HttpConnection:
         "scratch",
         "continued",
         "fresh",
+        "peer",
+        "born",
+        "proven",
+        "head_since",
+        "prove",
     )
 
     def __init__(
@@ -87,8 +98,11 @@ class HttpConnection:
         loop: asyncio.AbstractEventLoop,
         ctx: ServingContext,
         routes: Routes,
-        adopt: Callable[[socket.socket, bytes], None] | None,
+        adopt: Callable[[socket.socket, bytes, str | None, float], None] | None,
         forget: Callable[[HttpConnection], None],
+        prove: Callable[[HttpConnection], None] | None = None,
+        recv_buf: bytearray | None = None,
+        peer: str | None = None,
     ):
         self.ctx = ctx
         self.routes = routes
@@ -98,7 +112,7 @@ class HttpConnection:
         self.fd = sock.fileno()
         self.loop = loop
         self.rbuf = bytearray()
-        self.recv_buf = bytearray(RECV_CHUNK)
+        self.recv_buf = recv_buf if recv_buf is not None else bytearray(RECV_CHUNK)
         self.recv_view = memoryview(self.recv_buf)
         self.head: P.RequestHead | None = None
         self.body_at = 0
@@ -114,6 +128,11 @@ class HttpConnection:
         self.scratch: np.ndarray | None = None
         self.continued = False
         self.fresh = True  # the first bytes may still pick the wire protocol
+        self.peer = peer
+        self.born = self.last_active
+        self.proven = False
+        self.head_since = 0.0  # when the pending (incomplete) request head began
+        self.prove = prove
         self._read_on()
 
     # -- event registration ----------------------------------------------------------------------
@@ -173,18 +192,44 @@ class HttpConnection:
                 return
         self.process()
 
-    def _hand_over(self, adopt: Callable[[socket.socket, bytes], None]) -> None:
+    def _hand_over(self, adopt: Callable[[socket.socket, bytes, str | None, float], None]) -> None:
         """This connection speaks the wire protocol: give its socket (and the bytes read so
-        far) to the wire lane and forget it here."""
+        far, its peer and its age) to the wire lane and forget it here."""
         self._read_off()
         self.closed = True
         initial, self.rbuf = bytes(self.rbuf), bytearray()
         self.forget(self)
-        adopt(self.sock, initial)
+        adopt(self.sock, initial, self.peer, self.born)
+
+    def expired(self, now: float, header_timeout: float) -> bool:
+        """True if a deadline passed: an incomplete request head older than
+        ``header_timeout`` (bytes arriving do not extend it), or a connection that has not
+        completed a first authenticated request head within ``header_timeout``."""
+        if self.busy or self.lingering:
+            return False
+        if self.head_since and now - self.head_since > header_timeout:
+            return True
+        return not self.proven and now - self.born > header_timeout
 
     def process(self) -> None:
         """Answer every complete request in the buffer, in order, until one goes off-loop
-        or cannot be sent at once."""
+        or cannot be sent at once. A failure while framing (a bug: every refusal is typed)
+        answers 500 and closes this connection instead of leaving the peer waiting."""
+        try:
+            self._process()
+        except Exception as e:
+            log.exception("error framing a request; closing the connection")
+            if not self.closed:
+                self.close_after = True
+                self.rbuf.clear()
+                self.head = None
+                self.busy = False
+                self._send_reply(
+                    self.routes.error_reply(e, "malformed", "", keep_alive=False),
+                    time.perf_counter(),
+                )
+
+    def _process(self) -> None:
         limits = self.ctx.limits
         while not self.busy and not self.closed and not self.lingering:
             rbuf = self.rbuf
@@ -196,6 +241,8 @@ class HttpConnection:
                     return
                 end = rbuf.find(b"\r\n\r\n", 0, limits.max_header_bytes + 4)
                 if end < 0:
+                    if not self.head_since:
+                        self.head_since = time.monotonic()
                     if len(rbuf) > limits.max_header_bytes:
                         self._fatal(
                             P.RequestTooLarge(
@@ -215,17 +262,29 @@ class HttpConnection:
                         if len(_HEAD_CACHE) >= _HEAD_CACHE_SIZE:
                             _HEAD_CACHE.clear()
                         _HEAD_CACHE[raw] = head
+                self.head_since = 0.0
                 self.body_at = end + 4
                 length = head.content_length
-                if length > limits.max_body_bytes:
-                    del rbuf[: self.body_at]
-                    skip = min(length, len(rbuf))
-                    del rbuf[:skip]
-                    self.discard = length - skip
+                err: EngramDBError | None = None
+                proves = False
+                try:
+                    proves = self.routes.authorize(head)  # before a single body byte is kept
+                except EngramDBError as e:
+                    err = e
+                if proves and not self.proven:
+                    self.proven = True
+                    if self.prove is not None:
+                        self.prove(self)
+                if err is None and length > limits.max_body_bytes:
                     err = P.RequestTooLarge(
                         f"request body is {length:,} bytes, the limit is "
                         f"{limits.max_body_bytes:,} (max_body_bytes)"
                     )
+                if err is not None:
+                    del rbuf[: self.body_at]
+                    skip = min(length, len(rbuf))
+                    del rbuf[:skip]
+                    self.discard = length - skip
                     self._send_reply(
                         self.routes.error_reply(
                             err, endpoint_of(head.path), "", keep_alive=self._keep(head)
@@ -403,4 +462,5 @@ class HttpConnection:
         self.scratch = None
         with contextlib.suppress(OSError):
             self.sock.close()
+        self.ctx.release_peer(self.peer)
         self.forget(self)

@@ -25,14 +25,7 @@ import numpy as np
 
 from engramdb.errors import EngramDBError, InvalidArgument
 from engramdb.serve import protocol as P
-from engramdb.serve.context import (
-    SCRATCH_MAX,
-    Job,
-    Reply,
-    ServingContext,
-    error_label,
-    send_now,
-)
+from engramdb.serve.context import SCRATCH_MAX, Job, Reply, ServingContext, error_label, send_now
 from engramdb.serve.frames import (
     MAX_HELLO_BYTES,
     OK_FLAGS,
@@ -56,12 +49,17 @@ log = logging.getLogger("engramdb.serve")
 DEFAULT_SPIN_US = 200.0
 
 _RECV_MIN = 64 * 1024
+#: Receive buffer of a connection before HELLO: one request header and the largest HELLO
+#: payload. Nothing larger is allocated for a peer that has not authenticated.
+PREAUTH_BUF = REQUEST.size + MAX_HELLO_BYTES
 
 
 class _WireConnection:
     """One wire connection: a receive buffer, a reusable response buffer, the unsent rest of
     the last response. One request is answered at a time (reading pauses while a reply is
-    gathered off-thread or cannot be sent at once)."""
+    gathered off-thread or cannot be sent at once). Before HELLO the buffer is `PREAUTH_BUF`
+    bytes and another frame is refused from its header; after, it grows with the bytes that
+    arrived (doubling, up to the frame length), never to a length a header only claims."""
 
     __slots__ = (
         "lane",
@@ -78,13 +76,24 @@ class _WireConnection:
         "closed",
         "mask",
         "last_active",
+        "peer",
+        "born",
+        "frame_since",
     )
 
-    def __init__(self, lane: WireLane, sock: socket.socket, initial: bytes):
+    def __init__(
+        self,
+        lane: WireLane,
+        sock: socket.socket,
+        initial: bytes,
+        peer: str | None = None,
+        born: float | None = None,
+    ):
         self.lane = lane
         self.sock = sock
         self.fd = sock.fileno()
-        self.buf = bytearray(max(_RECV_MIN, len(initial)))
+        self.peer = peer
+        self.buf = bytearray(max(PREAUTH_BUF, len(initial)))
         self.view = memoryview(self.buf)
         self.buf[: len(initial)] = initial
         self.have = len(initial)
@@ -96,6 +105,16 @@ class _WireConnection:
         self.closed = False
         self.mask = 0
         self.last_active = time.monotonic()
+        self.born = self.last_active if born is None else born
+        self.frame_since = 0.0  # when the pending (incomplete) frame header began
+
+    def expired(self, now: float, header_timeout: float) -> bool:
+        """HELLO not done ``header_timeout`` after accept, or a frame header pending longer."""
+        if self.busy:
+            return False
+        if not self.hello:
+            return now - self.born > header_timeout
+        return bool(self.frame_since) and now - self.frame_since > header_timeout
 
     # -- events -------------------------------------------------------------------------------
     def watch(self, mask: int) -> None:
@@ -148,11 +167,17 @@ class _WireConnection:
         while not self.busy and not self.closed:
             have = self.have
             if have < REQUEST.size:
+                if have and not self.frame_since:
+                    self.frame_since = time.monotonic()
                 return
+            self.frame_since = 0.0
             magic, op, ndim, _flags, table, _res, length = REQUEST.unpack_from(self.buf, 0)
             if magic != REQUEST_MAGIC or op not in OPS:
                 what = f"magic {bytes(magic)!r}" if magic != REQUEST_MAGIC else f"op {op}"
                 self.fatal(P.MalformedRequest(f"not a wire-protocol frame ({what})"))
+                return
+            if op != OP_HELLO and not self.hello:  # refused from the header alone
+                self.fatal(P.AuthenticationFailed("the first frame of a connection must be HELLO"))
                 return
             limit = MAX_HELLO_BYTES if op == OP_HELLO else limits.max_body_bytes + 8 * P.MAX_NDIM
             if length > limit:
@@ -165,19 +190,13 @@ class _WireConnection:
                 return
             end = REQUEST.size + length
             if have < end:
-                if end > len(self.buf):  # grow for a large request (bounded by the limit)
-                    grown = bytearray(end)
-                    grown[:have] = self.view[:have]
-                    self.buf = grown
-                    self.view = memoryview(grown)
+                if have == len(self.buf):  # full: grow with what arrived (doubling)
+                    self._regrow(min(end, max(2 * len(self.buf), _RECV_MIN)))
                 return
             t0 = time.perf_counter()
             payload = self.view[REQUEST.size : end]
             if op == OP_HELLO:
                 self.on_hello(payload)
-            elif not self.hello:
-                self.fatal(P.AuthenticationFailed("the first frame of a connection must be HELLO"))
-                return
             else:
                 self.on_rows(op, ndim, table, payload, t0)
             if self.close_after:  # fatal(): nothing after this frame is read
@@ -189,10 +208,12 @@ class _WireConnection:
                 self.view[:rest] = self.view[end : self.have]
             self.have = rest
             if len(self.buf) > _RECV_MIN and rest <= _RECV_MIN:
-                small = bytearray(_RECV_MIN)
-                small[:rest] = self.view[:rest]
-                self.buf = small
-                self.view = memoryview(small)
+                self._regrow(_RECV_MIN)  # self.have == rest here
+
+    def _regrow(self, size: int) -> None:
+        grown = bytearray(size)
+        grown[: self.have] = self.view[: self.have]
+        self.buf, self.view = grown, memoryview(grown)
 
     def on_hello(self, payload: memoryview) -> None:
         ctx = self.lane.ctx
@@ -202,6 +223,9 @@ class _WireConnection:
             self.fatal(P.AuthenticationFailed(f"this server needs {what} in HELLO"), "hello")
             return
         self.hello = True
+        self.lane.proven(self)
+        if len(self.buf) < _RECV_MIN:  # authenticated: the working buffer size
+            self._regrow(_RECV_MIN)
         doc = {
             "tables": list(self.lane.names),
             "generation": ctx.db.manifest.generation,
@@ -350,6 +374,7 @@ class _WireConnection:
             self.lane.ep.unregister(self.fd)
         with contextlib.suppress(OSError):
             self.sock.close()
+        self.lane.ctx.release_peer(self.peer)
         self.lane.forget(self)
 
 
@@ -370,7 +395,12 @@ class WireLane:
         self._stores: list[Store | None] = [None] * len(self.names)
         self.ep = select.epoll()
         self.conns: dict[int, _WireConnection] = {}
-        self._inbox: collections.deque[tuple[socket.socket, bytes]] = collections.deque()
+        self._inbox: collections.deque[tuple[socket.socket, bytes, str | None, float]] = (
+            collections.deque()
+        )
+        #: connections without HELLO yet, oldest first (lane thread only)
+        self._unproven: dict[int, _WireConnection] = {}
+        self._evictions: collections.deque[int] = collections.deque()
         self._done: collections.deque[Job] = collections.deque()
         self._jobs = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -382,6 +412,17 @@ class WireLane:
     @property
     def n_connections(self) -> int:
         return len(self.conns) + len(self._inbox)
+
+    @property
+    def n_unproven(self) -> int:  # any thread; approximate
+        return len(self._unproven) + len(self._inbox)
+
+    def proven(self, conn: _WireConnection) -> None:
+        self._unproven.pop(conn.fd, None)
+
+    def evict_unproven(self) -> None:  # any thread: close the oldest connection w/o HELLO
+        self._evictions.append(1)
+        self._wake()
 
     @property
     def in_flight(self) -> int:
@@ -396,10 +437,12 @@ class WireLane:
     def start(self) -> None:
         self._thread.start()
 
-    def adopt(self, sock: socket.socket, initial: bytes) -> None:
-        """Take over ``sock`` (non-blocking), whose first bytes ``initial`` were already read.
-        Called from the asyncio thread."""
-        self._inbox.append((sock, initial))
+    def adopt(
+        self, sock: socket.socket, initial: bytes, peer: str | None = None, born: float = 0.0
+    ) -> None:
+        """Take over ``sock`` (first bytes ``initial`` already read; ``peer``: its counted TCP
+        address; ``born``: when accepted). Called from the asyncio thread."""
+        self._inbox.append((sock, initial, peer, born or time.monotonic()))
         self._wake()
 
     def submit(self, job: Job) -> None:
@@ -419,6 +462,8 @@ class WireLane:
 
     def forget(self, conn: _WireConnection) -> None:
         self.conns.pop(conn.fd, None)
+        if self._unproven.get(conn.fd) is conn:
+            del self._unproven[conn.fd]
 
     def stop(self, grace: float) -> None:
         """Finish what is in flight (up to ``grace`` seconds), close every connection, end
@@ -443,8 +488,9 @@ class WireLane:
             for conn in list(self.conns.values()):
                 conn.close()
             while self._inbox:
-                sock, _ = self._inbox.popleft()
+                sock, _, peer, _ = self._inbox.popleft()
                 sock.close()
+                self.ctx.release_peer(peer)
             self.ep.close()
 
     def _loop(self) -> None:
@@ -508,13 +554,19 @@ class WireLane:
             job = self._done.popleft()
             self._jobs -= 1
             job.owner.finished(job)
+        while self._evictions:
+            self._evictions.popleft()
+            if self._unproven:
+                next(iter(self._unproven.values())).close()
         while self._inbox:
-            sock, initial = self._inbox.popleft()
+            sock, initial, peer, born = self._inbox.popleft()
             if self._stopping:
                 sock.close()
+                self.ctx.release_peer(peer)
                 continue
-            conn = _WireConnection(self, sock, initial)
+            conn = _WireConnection(self, sock, initial, peer, born)
             self.conns[conn.fd] = conn
+            self._unproven[conn.fd] = conn
             conn.mask = select.EPOLLIN
             self.ep.register(conn.fd, select.EPOLLIN)
             try:
@@ -535,6 +587,9 @@ class WireLane:
 
     def _tick(self, now: float) -> None:
         idle = self.ctx.limits.idle_timeout
+        header_timeout = self.ctx.limits.header_timeout
         for conn in list(self.conns.values()):
-            if not conn.busy and now - conn.last_active > idle:
+            if (not conn.busy and now - conn.last_active > idle) or conn.expired(
+                now, header_timeout
+            ):
                 conn.close()

@@ -53,6 +53,33 @@ H_ROW_BYTES = "x-engramdb-row-bytes"
 #: Most dimensions an id array may have on the wire (the local Store has no limit, but a
 #: header naming 1,000 dimensions is an attack, not a request).
 MAX_NDIM = 8
+#: Largest element count an id shape may describe, even an empty one (a dimension of 10**17
+#: next to a 0 is refused: numpy cannot even describe the output array).
+MAX_SHAPE_ELEMENTS = 1 << 40
+
+
+def ascii_uint(text: str) -> int | None:
+    """``text`` as a non-negative integer if it is 1 to 18 ASCII digits, else None.
+    (``str.isdigit`` alone accepts ``"²"`` and other Unicode digits ``int`` refuses.)"""
+    if 0 < len(text) <= 18 and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def check_dims(dims: tuple[int, ...], what: str) -> None:
+    """Refuse a shape with a negative dimension, or one whose dimensions (zeros skipped)
+    multiply past `MAX_SHAPE_ELEMENTS`: `ShapeMismatch` naming ``what``."""
+    total = 1
+    for d in dims:
+        if d < 0:
+            raise ShapeMismatch(f"{what} {dims} has a negative dimension")
+        if d:
+            total *= d
+            if total > MAX_SHAPE_ELEMENTS:
+                raise ShapeMismatch(
+                    f"{what} {dims} describes more than {MAX_SHAPE_ELEMENTS:,} ids "
+                    "(zero dimensions aside)"
+                )
 
 
 # --- errors that exist only because there is a network in between ---------------------------
@@ -217,7 +244,7 @@ class RequestHead:
         self.query = query
         self.version = version
         self.headers = headers
-        self.content_length = int(headers.get("content-length", "0"))
+        self.content_length = ascii_uint(headers.get("content-length", "0")) or 0
         ctype = headers.get("content-type")
         #: the body's media type without parameters (``; charset=...``), lower-case
         self.media_type = "" if ctype is None else ctype.split(";", 1)[0].strip().lower()
@@ -277,8 +304,8 @@ def parse_request_head(head: bytes, *, max_header_bytes: int) -> RequestHead:
             "body with a Content-Length"
         )
     cl = headers.get("content-length")
-    if cl is not None and (not cl.isdigit() or len(cl) > 18):
-        raise MalformedRequest(f"bad Content-Length {cl[:40]!r}")
+    if cl is not None and ascii_uint(cl) is None:
+        raise MalformedRequest(f"bad Content-Length {cl[:40]!r} (ASCII digits expected)")
     return RequestHead(method, path, query, version, headers)
 
 
@@ -297,11 +324,15 @@ def parse_shape(text: str, *, what: str = H_SHAPE) -> tuple[int, ...]:
         raise ShapeMismatch(f"{what} has {len(dims)} dimensions, at most {MAX_NDIM} allowed")
     out: list[int] = []
     for d in dims:
-        d = d.strip()
-        if not d.isdigit() or len(d) > 18:
-            raise ShapeMismatch(f"{what} {text[:100]!r} is not a comma-separated list of sizes")
-        out.append(int(d))
-    return tuple(out)
+        n = ascii_uint(d.strip())
+        if n is None:
+            raise ShapeMismatch(
+                f"{what} {text[:100]!r} is not a comma-separated list of sizes (ASCII digits)"
+            )
+        out.append(n)
+    shape = tuple(out)
+    check_dims(shape, what)
+    return shape
 
 
 # --- responses (the client's parser) -----------------------------------------------------------
@@ -313,7 +344,7 @@ class ResponseHead:
     def __init__(self, status: int, headers: dict[str, str]):
         self.status = status
         self.headers = headers
-        self.content_length = int(headers.get("content-length", "0"))
+        self.content_length = ascii_uint(headers.get("content-length", "0")) or 0
         self.keep_alive = "close" not in headers.get("connection", "").lower()
 
 
@@ -321,7 +352,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
     """Parse a response's status line and headers; `ProtocolError` if they do not parse."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or ascii_uint(parts[1]) is None:
         raise ProtocolError(f"bad status line {lines[0][:100]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -332,7 +363,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
     if "transfer-encoding" in headers:
         raise ProtocolError("chunked responses are not part of this protocol")
     cl = headers.get("content-length", "0")
-    if not cl.isdigit():
+    if ascii_uint(cl) is None:
         raise ProtocolError(f"bad Content-Length {cl[:40]!r} in response")
     return ResponseHead(int(parts[1]), headers)
 

@@ -135,6 +135,24 @@ class Routes:
         return self.head(status, P.CT_JSON, len(body), b"Connection: close\r\n") + body
 
     # -- routing ---------------------------------------------------------------------------------
+    def authorize(self, head: P.RequestHead) -> bool:
+        """Raise `AuthenticationFailed` unless ``head`` may be served: it carries the server's
+        token, the server needs none, or it is the health endpoint. Checked by the connection
+        as soon as the head arrived, before any of the body is kept. True if the head proves
+        its connection (authenticated, or no token needed); a health check on a server with
+        a token does not."""
+        auth = self.ctx.auth
+        if not auth.required:
+            return True
+        path = head.path
+        if path in ("/v1/health", "/healthz", "/v1/health/", "/healthz/"):
+            return False
+        if not auth.allows(head.headers.get("authorization")):
+            if "authorization" not in head.headers:
+                raise P.AuthenticationFailed("this server needs `Authorization: Bearer <token>`")
+            raise P.AuthenticationFailed("the bearer token is not the server's token")
+        return True
+
     def route(self, req: Request) -> Reply | Job:
         """Dispatch one request. Raises `EngramDBError` subclasses for every refusal."""
         ctx = self.ctx
@@ -145,10 +163,7 @@ class Routes:
         if path in ("/v1/health", "/healthz"):
             _method(head, "GET")
             return self._health(req)
-        if not ctx.auth.allows(head.headers.get("authorization")):
-            if "authorization" not in head.headers:
-                raise P.AuthenticationFailed("this server needs `Authorization: Bearer <token>`")
-            raise P.AuthenticationFailed("the bearer token is not the server's token")
+        self.authorize(head)
         if path.startswith("/v1/tables/"):
             name, _, action = path[len("/v1/tables/") :].partition("/")
             if "%" in name:
@@ -271,12 +286,18 @@ class Routes:
             # JSON and Arrow are the convenience paths: allocate, encode, done
             if fmt == P.CT_ARROW:
                 _pyarrow()  # refuse before gathering
-            out = np.empty(shape, np.uint8)
-            if lookup:
-                store.lookup_into(ids, out)
             else:
-                store.fetch_into(ids, out)
-            return self._encoded(req, store, ids, out, fmt, endpoint, lookup)
+                limits.check_response(_b64_len(nbytes), 1)  # base64 is 4/3 of the rows
+            gather_to = store.lookup_into if lookup else store.fetch_into
+
+            def encoded() -> Reply:
+                out = np.empty(shape, np.uint8)
+                gather_to(ids, out)
+                return self._encoded(req, store, ids, out, fmt, endpoint, lookup)
+
+            if nbytes <= limits.inline_max_bytes:
+                return encoded()
+            return Job(encoded, endpoint, store.name)
         shape_text = b"%d,%d" % shape if len(shape) == 2 else P.format_shape(shape).encode()
         hd = b"%sDate: %s\r\nX-Engramdb-Shape: %s\r\nContent-Length: %d\r\n%s\r\n" % (
             self._binary_ok,
@@ -356,7 +377,7 @@ class Routes:
         )
 
     # -- views (Store-P) -------------------------------------------------------------------------
-    def _view(self, req: Request, store: Store, rest: str) -> Reply:
+    def _view(self, req: Request, store: Store, rest: str) -> Reply | Job:
         """``GET views/{v}``, ``POST views/{v}/records|lookup|lookup_tokens``. Active only when
         this build's `Store` has ``view(name)``; otherwise a 404 that says so."""
         view_fn = getattr(store, "view", None)
@@ -385,13 +406,37 @@ class Routes:
             )
         _method(req.head, "POST")
         ids = self._ids(req, key="ids")
-        result = getattr(view, method)(ids)
-        records = np.ascontiguousarray(np.asarray(result))
-        if records.dtype != np.uint8:
-            records = records.view(np.uint8) if records.flags.c_contiguous else records
         fmt = _negotiate(req.head, P.CT_JSON if req.head.media_type == P.CT_JSON else P.CT_BINARY)
         if fmt == P.CT_ARROW:
             raise P.NotAcceptable("view records are served as binary or JSON, not Arrow")
+        # the response limit holds before anything is gathered: one record per id (per key
+        # of key_width ids for lookup), record_bytes each
+        limits = self.ctx.limits
+        record_bytes = getattr(view, "record_bytes", None)
+        if isinstance(record_bytes, int) and record_bytes > 0:
+            key_width = getattr(view, "key_width", 1) if method == "lookup" else 1
+            n_out = ids.size // key_width if isinstance(key_width, int) and key_width > 0 else 0
+            expect = limits.check_response(n_out or ids.size, record_bytes)
+            if fmt == P.CT_JSON:
+                limits.check_response(_b64_len(expect), 1)
+        else:
+            expect = limits.inline_max_bytes + 1  # unknown size: off the loop
+        call = getattr(view, method)
+        if expect <= limits.inline_max_bytes:
+            return self._view_reply(req, store, ids, call(ids), fmt)
+
+        def run() -> Reply:
+            return self._view_reply(req, store, ids, call(ids), fmt)
+
+        return Job(run, "view", store.name)
+
+    def _view_reply(
+        self, req: Request, store: Store, ids: np.ndarray, result: Any, fmt: str
+    ) -> Reply:
+        records = np.ascontiguousarray(np.asarray(result))
+        if records.dtype != np.uint8:
+            records = records.view(np.uint8) if records.flags.c_contiguous else records
+        self.ctx.limits.check_response(records.nbytes, 1)  # whatever the view returned
         if fmt == P.CT_JSON:
             return self._encoded(req, store, ids, records, fmt, "view", True)
         hd = (
@@ -408,7 +453,7 @@ class Routes:
         )
         return Reply(
             200,
-            [hd, records.data.cast("B")],
+            [hd, records.reshape(-1).data],
             "view",
             store.name,
             rows=ids.size,
@@ -445,11 +490,35 @@ def endpoint_of(path: str) -> str:
     }.get(path, "other")
 
 
+def _b64_len(nbytes: int) -> int:
+    """Bytes of ``nbytes`` bytes in base64."""
+    return 4 * ((nbytes + 2) // 3)
+
+
+def _json_depth_ok(body: bytes) -> bool:
+    """True unless the body opens more than `P.MAX_NDIM` + 1 nested containers (checked
+    before parsing: a deep body is refused in one C-speed pass, never recursed into)."""
+    if body.count(b"[") + body.count(b"{") <= P.MAX_NDIM + 1:
+        return True
+    depth = 0
+    opened = np.frombuffer(body, np.uint8)
+    step = (opened == ord("[")).astype(np.int8) + (opened == ord("{"))
+    step -= (opened == ord("]")).astype(np.int8) + (opened == ord("}"))
+    if step.size:
+        depth = int(np.cumsum(step, dtype=np.int64).max())
+    return depth <= P.MAX_NDIM + 1
+
+
 def _json_ids(body: bytes, key: str) -> np.ndarray:
     """Ids from a JSON body: a nested list, or an object whose ``key`` holds one."""
+    if not _json_depth_ok(body):
+        raise InvalidArgument(
+            f"request body nests lists deeper than {P.MAX_NDIM + 1} levels; ids have at most "
+            f"{P.MAX_NDIM} dimensions"
+        )
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InvalidArgument(f"request body is not valid JSON: {e}") from None
     if isinstance(doc, dict):
         if key not in doc:
@@ -462,10 +531,12 @@ def _json_ids(body: bytes, key: str) -> np.ndarray:
         raise InvalidDtype(f"{key!r} must be a list of integers, got {type(doc).__name__}")
     try:
         arr = np.asarray(doc)
-    except (ValueError, OverflowError) as e:
+    except (ValueError, OverflowError, TypeError) as e:
         raise ShapeMismatch(f"{key!r} is not a rectangular list of integers: {e}") from None
-    if arr.dtype == object:
+    if arr.dtype == object or arr.dtype.kind in "SUV":
         raise InvalidDtype(f"{key!r} must hold integers that fit in int64")
+    if arr.ndim > P.MAX_NDIM:
+        raise ShapeMismatch(f"{key!r} has {arr.ndim} dimensions, at most {P.MAX_NDIM} allowed")
     return np.ascontiguousarray(as_rowids(arr))
 
 

@@ -140,6 +140,11 @@ class Server:
         self._lane: WireLane | None = None
         self._listeners: list[tuple[str, socket.socket]] = []
         self._conns: set[HttpConnection] = set()
+        #: HTTP connections not yet proven (no authenticated request head yet), oldest first
+        self._unproven: dict[HttpConnection, None] = {}
+        #: one receive buffer for every HTTP connection of the loop (bytes are copied out of
+        #: it at once), so an idle or hostile connection costs no 64 KiB buffer of its own
+        self._recv_buf = bytearray(64 * 1024)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_requested: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None
@@ -358,8 +363,11 @@ class Server:
         self._routes.refresh_date()
         now = time.monotonic()
         idle = self.limits.idle_timeout
+        header_timeout = self.limits.header_timeout
         for conn in list(self._conns):
-            if not conn.busy and now - conn.last_active > idle:
+            if (not conn.busy and now - conn.last_active > idle) or conn.expired(
+                now, header_timeout
+            ):
                 conn.close()
         if not self._loop.is_closed():
             self._loop.call_later(1.0, self._tick)
@@ -369,7 +377,7 @@ class Server:
         assert loop is not None
         for _ in range(64):  # accept a burst, then let the loop serve them
             try:
-                sock, _ = lsock.accept()
+                sock, addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # EMFILE and friends: keep serving existing clients
@@ -382,11 +390,9 @@ class Server:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_BYTES)
             self.metrics.connections_total += 1
-            if self.n_connections >= self.limits.max_connections:
-                err = P.ServiceUnavailable(
-                    f"the server has {self.n_connections} connections, its limit "
-                    f"(max_connections={self.limits.max_connections}); retry later"
-                )
+            peer = str(addr[0]) if kind == "tcp" and isinstance(addr, tuple) else None
+            err = self._admit(peer)
+            if err is not None:
                 with contextlib.suppress(OSError):
                     sock.send(self._routes.refusal(err))
                 sock.close()
@@ -400,11 +406,58 @@ class Server:
                 routes=self._routes,
                 adopt=lane.adopt if lane is not None else None,
                 forget=self._forget,
+                prove=self._prove,
+                recv_buf=self._recv_buf,
+                peer=peer,
             )
             self._conns.add(conn)
+            self._unproven[conn] = None
+
+    def _admit(self, peer: str | None) -> P.ServiceUnavailable | None:
+        """Count a new connection of ``peer`` in, or the error that refuses it.
+
+        Unproven connections (no authenticated request / HELLO yet) may hold at most
+        ``max_unproven`` slots: past that, the oldest one is closed for the newcomer, so a
+        flood of idle or dribbling connections cannot lock out a client that authenticates;
+        the ``reserved_connections`` above that are for proven connections only."""
+        limits = self.limits
+        if not self.context.admit_peer(peer):
+            return P.ServiceUnavailable(
+                f"peer {peer} has {self.context.peer_connections(str(peer))} connections, the "
+                f"limit (max_connections_per_peer={limits.max_connections_per_peer}); retry later"
+            )
+        lane = self._lane
+        unproven = len(self._unproven) + (lane.n_unproven if lane is not None else 0)
+        if unproven >= limits.max_unproven or self.n_connections >= limits.max_connections:
+            if unproven and self._evict_unproven():
+                return None
+            self.context.release_peer(peer)
+            return P.ServiceUnavailable(
+                f"the server has {self.n_connections} connections, its limit "
+                f"(max_connections={limits.max_connections}); retry later"
+            )
+        return None
+
+    def _evict_unproven(self) -> bool:
+        """Close the oldest unproven connection (HTTP here, else ask the wire lane)."""
+        if self._unproven:
+            oldest = next(iter(self._unproven))  # insertion order: the oldest first
+            oldest.close()
+            self.metrics.count_error("accept", "EvictedUnproven")
+            return True
+        lane = self._lane
+        if lane is not None and lane.n_unproven:
+            lane.evict_unproven()
+            self.metrics.count_error("accept", "EvictedUnproven")
+            return True
+        return False
+
+    def _prove(self, conn: HttpConnection) -> None:
+        self._unproven.pop(conn, None)
 
     def _forget(self, conn: HttpConnection) -> None:
         self._conns.discard(conn)
+        self._unproven.pop(conn, None)
         if self.context.draining and not self._conns and self._drained is not None:
             self._drained.set()
 

@@ -95,8 +95,41 @@ def raise_code(what: str, code: int, *, hint: str = "") -> NoReturn:
     raise MooncakeError(msg, code)
 
 
+#: Seconds `connect` waits for the master (and an HTTP metadata server) to accept a TCP
+#: connection before it gives up (the native client alone retries for ~90 s).
+DEFAULT_CONNECT_TIMEOUT = 5.0
+
+
+def quiet_native_logs(verbose: bool = False) -> None:
+    """Keep the native client's glog lines (INFO / WARNING, ~120 of them for an unreachable
+    master) off stderr unless ``verbose``; errors still print. Must run before the native
+    library loads; an explicit ``GLOG_minloglevel`` in the environment wins."""
+    if verbose:
+        os.environ["GLOG_minloglevel"] = "0"
+    else:
+        os.environ.setdefault("GLOG_minloglevel", "2")
+
+
+def _probe(what: str, address: str, timeout: float) -> None:
+    """`StoreUnavailable` unless ``address`` (``host:port``) accepts a TCP connection within
+    ``timeout`` seconds."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit():
+        raise StoreUnavailable(f"{what} address {address!r} is not HOST:PORT")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise StoreUnavailable(
+            f"{what} {address!r} is not reachable within {timeout:g} s "
+            f"({e.strerror or e}); is it running? (connect_timeout / --connect-timeout)"
+        ) from None
+
+
 def import_store() -> ModuleType:
     """``mooncake.store``, or `MissingDependency` naming the extra to install."""
+    quiet_native_logs(verbose=os.environ.get("GLOG_minloglevel") == "0")
     try:
         import mooncake.store as store_module
     except ImportError as e:
@@ -135,6 +168,7 @@ def connect(
     device: str = "",
     segment_bytes: int = 0,
     local_buffer_bytes: int = 16 * 1024 * 1024,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
 ) -> Any:
     """A set-up ``MooncakeDistributedStore`` client.
 
@@ -142,7 +176,16 @@ def connect(
     (``http://host:8080/metadata`` for the master's built-in one). ``segment_bytes`` is the
     memory this process contributes to the store (0: a pure reader or publisher; the data
     then lives on storage hosts running ``mooncake_client``). ``local_hostname`` defaults to
-    ``MC_TCP_BIND_ADDRESS`` or this host's address. Takes ~0.1-1 s (RPC + metadata)."""
+    ``MC_TCP_BIND_ADDRESS`` or this host's address. Takes ~0.1-1 s (RPC + metadata).
+    The master (and an ``http://`` metadata server) must accept a TCP connection within
+    ``connect_timeout`` seconds, else `StoreUnavailable` at once (the native client alone
+    keeps retrying for ~90 s)."""
+    _probe("Mooncake master", master, connect_timeout)
+    if metadata.startswith(("http://", "https://")):
+        netloc = metadata.split("://", 1)[1].split("/", 1)[0]
+        if ":" not in netloc.rsplit("]", 1)[-1]:
+            netloc += ":443" if metadata.startswith("https") else ":80"
+        _probe("metadata server", netloc, connect_timeout)
     mod = import_store()
     client = mod.MooncakeDistributedStore()
     host = local_hostname or _default_hostname()

@@ -24,6 +24,7 @@ from engramdb.database import Database
 from engramdb.disk.files import open_shards
 from engramdb.errors import EngramDBError, InvalidArgument, StaleView, TableExists, TableNotFound
 from engramdb.integrations.mooncake._store import (
+    DEFAULT_CONNECT_TIMEOUT,
     connect,
     get_bytes,
     put_batch,
@@ -170,6 +171,7 @@ def publish(
     local_hostname: str | None = None,
     protocol: str = "tcp",
     views: bool | Sequence[str] = True,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
 ) -> PublishSummary:
     """Stream tables of the EngramDB database ``db`` (path or `Database`) into the store.
 
@@ -199,7 +201,13 @@ def publish(
         if own_client:
             if not master or not metadata:
                 raise InvalidArgument("publish needs master= and metadata= (or client=)")
-            client = connect(master, metadata, local_hostname=local_hostname, protocol=protocol)
+            client = connect(
+                master,
+                metadata,
+                local_hostname=local_hostname,
+                protocol=protocol,
+                connect_timeout=connect_timeout,
+            )
         cfg = replicate_config(client, config)
         if get_bytes(client, manifest_key(name)) is not None:
             raise TableExists(f"{name!r} is already published in this store; unpublish it first")

@@ -1,0 +1,504 @@
+"""Files, the file protocol and the read paths under faults and hostile input (issue 16,
+findings 5-13)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb.build import build
+from engramdb.errors import InvalidArgument
+
+
+# -- 5. an open database serves the generation it opened --------------------------------------
+def test_open_database_serves_its_generation_after_a_rebuild(db_factory: Any) -> None:
+    db, written = db_factory({"t": (32, (3000,)), "u": (16, (100,))})
+    old = written["t"]
+    with engramdb.open(db) as opened:
+        opened["u"].fetch(np.arange(4))  # one table in use, "t" not opened yet
+        new = np.random.default_rng(1).integers(0, 256, old.shape, dtype=np.uint8)
+        build(db, "t", 32, [new], force=True)  # GC unlinks the old generation
+        assert not any((db / s.path).exists() for s in opened.manifest.tables["t"].shards)
+        got = opened["t"].fetch(np.arange(3000))
+        assert np.array_equal(got, old)  # the generation it opened, not a TruncatedFile
+    with engramdb.open(db) as fresh:
+        assert np.array_equal(fresh["t"].fetch(np.arange(3000)), new)
+
+
+# -- 11. `out` aliasing the ids ----------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["mmap", "preadv", "auto"])
+def test_out_sharing_memory_with_the_ids(db_factory: Any, backend: str) -> None:
+    db, written = db_factory({"t": (32, (8000,))})
+    table = written["t"]
+    rng = np.random.default_rng(11)
+    with engramdb.open(db, backend=backend) as opened:
+        t = opened["t"]
+        out = np.empty((5000, 32), np.uint8)
+        ids = out.reshape(-1)[: 5000 * 8].view(np.int64)  # the ids live inside `out`
+        ids[:] = rng.integers(0, 8000, 5000)
+        want = table[ids.copy()]
+        t.fetch_into(ids, out)
+        assert np.array_equal(out, want)
+        # lookup_into: [B, L, H] per-head local ids inside the output
+        out4 = np.empty((10, 50, 1, 32), np.uint8)
+        local = out4.reshape(-1)[: 500 * 8].view(np.int64).reshape(10, 50, 1)
+        local[:] = rng.integers(0, 8000, (10, 50, 1))
+        want4 = table[local.reshape(-1).copy()].reshape(10, 50, 1, 32)
+        t.lookup_into(local, out4)
+        assert np.array_equal(out4, want4)
+
+
+# -- 13. huge empty shapes and the per-call row limit --------------------------------------------
+def test_huge_and_empty_shapes_are_typed(db_factory: Any) -> None:
+    from engramdb.validate import MAX_ROWS_PER_CALL
+
+    db, _ = db_factory({"t": (32, (100,))})
+    with engramdb.open(db) as opened:
+        t = opened["t"]
+        with pytest.raises(InvalidArgument, match="per-call limit"):
+            t.fetch(np.zeros((0, 10**9, 10**9), np.int64))
+        big = np.broadcast_to(np.int64(0), (MAX_ROWS_PER_CALL + 1,))
+        with pytest.raises(InvalidArgument, match="split the batch"):
+            t.fetch(big)
+        with pytest.raises(InvalidArgument, match="per-call limit"):
+            t.fetch_into(np.zeros((0, 10**9, 10**9), np.int64), np.empty((0, 32), np.uint8))
+        assert t.fetch(np.zeros((0, 5), np.int64)).shape == (0, 5, 32)
+
+
+# -- 6. the index is published as a set ---------------------------------------------------------
+_KILL_SECOND_WRITE = """
+import importlib, os, sys
+bi = importlib.import_module("engramdb.build.index")
+from engramdb import keygen
+from test_index import QWEN_TINY
+real, calls = bi._write_arrays, []
+def dying(path, arrays):
+    calls.append(path)
+    if len(calls) == 2:  # killed after hot.zst, before keys.zst and index.json
+        os._exit(9)
+    return real(path, arrays)
+bi._write_arrays = dying
+bi.build_index(sys.argv[1], sys.argv[2], preset=keygen.hasher("qwen4exp", QWEN_TINY))
+"""
+
+
+def test_index_build_killed_midway_keeps_the_previous_index(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from test_index import QWEN_TINY, make_db
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.disk.publish import collect_garbage, read_manifest
+    from engramdb.read.index import load_index
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    db = make_db(tmp_path / "db", {"ple": 88})
+    np.save(tmp_path / "a.npy", np.arange(40) % 9)
+    np.save(tmp_path / "b.npy", np.arange(60) % 13)
+    build_index(tmp_path / "a.npy", db, preset=h)
+    before = load_index(db, "ple")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    rc = subprocess.run(
+        [sys.executable, "-c", _KILL_SECOND_WRITE, str(tmp_path / "b.npy"), str(db)],
+        env=env,
+        timeout=120,
+    ).returncode
+    assert rc == 9
+    after = load_index(db, "ple")  # still the previous index, whole
+    assert np.array_equal(after.hot_rows, before.hot_rows)
+    assert np.array_equal(after.keys, before.keys)
+    collect_garbage(db, read_manifest(db))  # what the next writer does (or `engramdb gc`)
+    left = [p.name for p in (db / "ple").iterdir()]
+    assert left == ["index"], left
+    assert sorted(p.name for p in (db / "ple" / "index").iterdir()) == [
+        "hot.zst",
+        "index.json",
+        "keys.zst",
+    ]
+
+
+def test_verify_checks_the_index(db_factory: Any, tmp_path: Path) -> None:
+    from test_index import QWEN_TINY
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.verify import verify
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    rows = int(sum(h.head_rows(1)))
+    db, _ = db_factory({"ple": (160, (rows,))})
+    np.save(tmp_path / "c.npy", np.arange(40) % 9)
+    build_index(tmp_path / "c.npy", db, preset=h)
+    assert verify(db) == []
+    keys = db / "ple" / "index" / "keys.zst"
+    blob = bytearray(keys.read_bytes())
+    blob[-5] ^= 0xFF
+    keys.write_bytes(bytes(blob))
+    problems = verify(db)
+    assert len(problems) == 1 and "index" in problems[0].line()
+    (db / "ple" / "index" / "index.json").write_text('{"format": "engramdb-index", "version": 1}')
+    problems = verify(db)
+    assert len(problems) == 1 and "hot.rows" in problems[0].what
+
+
+# -- 7. symlinks are never followed --------------------------------------------------------------
+def test_symlinked_shard_is_refused(db_factory: Any, tmp_path: Path) -> None:
+    from engramdb.errors import CorruptFile
+    from engramdb.verify import verify
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    opened = engramdb.open(db)
+    shard = db / opened.manifest.tables["t"].shards[0].path
+    opened.close()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(shard.read_bytes())  # the same bytes: geometry and checksum match
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(CorruptFile, match="symlink"):
+        engramdb.open(db)
+    problems = verify(db)
+    assert len(problems) == 1 and "symlink" in problems[0].what
+
+
+def test_gc_never_deletes_through_a_symlink(db_factory: Any, tmp_path: Path) -> None:
+    db, written = db_factory({"t": (32, (1000,))})
+    outside = tmp_path / "x"
+    (outside / "g-important").mkdir(parents=True)
+    (outside / "g-important" / "data").write_text("keep me")
+    (db / "elsewhere").symlink_to(outside)  # a symlinked non-table directory in the DB
+    (db / "t" / "g-link").symlink_to(outside / "g-important")
+    (db / "afile").write_text("x")
+    (db / "t" / "views").mkdir()
+    (db / "t" / "views" / ".staging-z").symlink_to(outside)
+    build(db, "t", 32, [written["t"]], force=True)  # builds and collects garbage
+    assert (outside / "g-important" / "data").read_text() == "keep me"
+    with engramdb.open(db) as opened:
+        assert np.array_equal(opened["t"].fetch(np.arange(10)), written["t"][:10])
+
+
+def test_lock_symlink_is_refused(db_factory: Any, tmp_path: Path) -> None:
+    from engramdb.errors import CorruptFile
+
+    db, written = db_factory({"t": (32, (1000,))})
+    target = tmp_path / "created-outside"
+    lock = db / ".lock"
+    if lock.exists():
+        lock.unlink()
+    lock.symlink_to(target)
+    with pytest.raises(CorruptFile, match="symlink"):
+        build(db, "t", 32, [written["t"]], force=True)
+    assert not target.exists()
+
+
+# -- 8. special files and hostile values ---------------------------------------------------------
+_OPEN_FIFO = """
+import sys, engramdb
+from engramdb.errors import CorruptFile
+from engramdb.verify import verify
+try:
+    engramdb.open(sys.argv[1])
+except CorruptFile as e:
+    print("open:", e)
+print("verify:", [p.what for p in verify(sys.argv[1])])
+"""
+
+
+def test_fifo_shard_is_refused_not_waited_on(db_factory: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    opened = engramdb.open(db)
+    shard = db / opened.manifest.tables["t"].shards[0].path
+    opened.close()
+    shard.unlink()
+    os.mkfifo(shard)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _OPEN_FIFO, str(db)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,  # on a FIFO, an open without O_NONBLOCK waits forever
+    )
+    assert out.returncode == 0, out.stderr
+    assert "open:" in out.stdout and "FIFO" in out.stdout
+    assert "verify:" in out.stdout and "FIFO" in out.stdout.split("verify:")[1]
+
+
+def _valid_manifest_doc(db: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((db / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d, t: t.__setitem__("shards", 7), "shards"),
+        (lambda d, t: t["shards"][0].__setitem__("blocks", 5), "blocks"),
+        (lambda d, t: t["shards"][0].__setitem__("blocks", None), "blocks"),
+        (lambda d, t: t.__setitem__("sources", 3), "sources"),
+        (lambda d, t: t.__setitem__("provenance", [1]), "provenance"),
+        (lambda d, t: t["shards"][0].__setitem__("path", "t/\0x"), "path"),
+        (lambda d, t: t["shards"][0].__setitem__("path", ""), "path"),
+        (lambda d, t: t["shards"][0].__setitem__("path", "."), "path"),
+        (lambda d, t: d.__setitem__("format_version", 1.0), "format_version"),
+        (lambda d, t: d.__setitem__("format_version", True), "format_version"),
+        (lambda d, t: t["heads"].__setitem__(0, [1]), "heads"),
+        (lambda d, t: t.__setitem__("dim", "x"), "dim"),
+        (lambda d, t: d.__setitem__("generation", "7"), "generation"),
+    ],
+)
+def test_hostile_manifest_values(db_factory: Any, mutate: Any, field: str) -> None:
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    doc = _valid_manifest_doc(db)
+    mutate(doc, doc["tables"]["t"])
+    with pytest.raises(CorruptManifest, match=field):
+        parse_manifest(json.dumps(doc))
+
+
+def test_deeply_nested_manifest() -> None:
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    deep = '{"format": "engramdb", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(CorruptManifest, match="deeper"):
+        parse_manifest(deep)
+
+
+def test_hostile_index_json(tmp_path: Path) -> None:
+    from test_index import make_db
+
+    from engramdb.errors import CorruptFile
+    from engramdb.read.index import load_index
+
+    db = make_db(tmp_path / "db", {"ple": 88})
+    d = db / "ple" / "index"
+    d.mkdir(parents=True)
+    for text, field in [
+        ("[]", "object"),
+        ('{"format": "engramdb-index", "version": 1, "hot": {}}', "hot.rows"),
+        ('{"format": "engramdb-index", "version": 1.0}', "version"),
+        ('{"format": "engramdb-index", "version": 1, "hot": {"rows": "3"}}', "hot.rows"),
+    ]:
+        (d / "index.json").write_text(text)
+        with pytest.raises(CorruptFile, match=field):
+            load_index(db, "ple")
+    (d / "index.json").unlink()
+    (d / "index.json").symlink_to("/dev/zero")
+    with pytest.raises(CorruptFile, match="symlink"):
+        load_index(db, "ple")
+
+
+def test_hostile_manifest_fuzz(db_factory: Any) -> None:
+    """10,000 seeded mutations of a real manifest (wrong JSON types, removed fields, hostile
+    paths, numbers out of range, truncation): `parse_manifest` returns or raises
+    `CorruptManifest`, nothing else."""
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+
+    db, _ = db_factory({"t": (32, (600, 400)), "u": (24, (50,))})
+    base = _valid_manifest_doc(db)
+    r = np.random.default_rng(8)
+    values: list[Any] = [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1.0,
+        2**70,
+        "",
+        "x",
+        ".",
+        "..",
+        "/abs",
+        "a/../b",
+        "a\0b",
+        [],
+        [1],
+        {},
+        {"a": 1},
+        [[[]]],
+        1e308,
+    ]
+
+    def nodes(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        out = [path]
+        if isinstance(doc, dict):
+            for k, v in doc.items():
+                out += nodes(v, path + (k,))
+        elif isinstance(doc, list):
+            for i, v in enumerate(doc[:3]):
+                out += nodes(v, path + (i,))
+        return out
+
+    paths = nodes(base)[1:]
+    outcomes = {"ok": 0, "corrupt": 0}
+    for _ in range(10_000):
+        doc = json.loads(json.dumps(base))
+        for _ in range(int(r.integers(1, 4))):
+            p = paths[int(r.integers(0, len(paths)))]
+            parent = doc
+            try:
+                for k in p[:-1]:
+                    parent = parent[k]
+                op = int(r.integers(0, 3))
+                if op == 0:
+                    parent[p[-1]] = values[int(r.integers(0, len(values)))]
+                elif op == 1 and isinstance(parent, dict):
+                    del parent[p[-1]]
+                else:
+                    parent[p[-1]] = [parent[p[-1]]]
+            except (KeyError, IndexError, TypeError):
+                continue  # an earlier mutation removed the path
+        text = json.dumps(doc)
+        if r.random() < 0.05:
+            text = text[: int(r.integers(0, len(text)))]
+        try:
+            parse_manifest(text)
+            outcomes["ok"] += 1
+        except CorruptManifest:
+            outcomes["corrupt"] += 1
+    assert outcomes["corrupt"] > 5000
+
+
+# -- 12. warm verifies the bytes it reads ------------------------------------------------------
+def test_warm_finds_a_flipped_byte(db_factory: Any) -> None:
+    from engramdb.errors import ChecksumMismatch
+    from engramdb.warm import warm_tables
+
+    db, written = db_factory({"t": (32, (3000,))})
+    with engramdb.open(db) as opened:
+        assert warm_tables(opened)[0].table == "t"  # intact: no error
+        shard = db / opened.manifest.tables["t"].shards[0].path
+    data = bytearray(shard.read_bytes())
+    data[32 * 1234 + 5] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with engramdb.open(db) as opened:
+        # reads do not re-hash (documented): the row comes back as stored ...
+        assert not np.array_equal(opened["t"].fetch([1234])[0], written["t"][1234])
+        # ... and warm names the damaged range
+        with pytest.raises(ChecksumMismatch, match=r"bytes \[0, 96000\).*rows 0 to 2999"):
+            warm_tables(opened)
+        warm_tables(opened, verify=False)  # opt out: no hashing
+
+
+# -- 10. leftovers are reported and collected ------------------------------------------------------
+def test_info_reports_leftovers_and_gc_removes_them(db_factory: Any) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    db, written = db_factory({"t": (32, (1000,))})
+    staging = db / "t" / ".staging-killed"
+    staging.mkdir()
+    (staging / "shard-00000.edb").write_bytes(b"\0" * 100_000)
+    (db / ".manifest.json.tmp-dead").write_text("{")
+    runner = CliRunner()
+    res = runner.invoke(main, ["info", str(db), "--json"])
+    assert res.exit_code == 0, res.output
+    left = {d["path"]: d["bytes"] for d in json.loads(res.output)["leftovers"]}
+    assert left == {"t/.staging-killed": 100_000, ".manifest.json.tmp-dead": 1}
+    assert "engramdb gc" in runner.invoke(main, ["info", str(db)]).output
+    res = runner.invoke(main, ["gc", str(db)])
+    assert res.exit_code == 0 and "removed 2 leftover(s)" in res.output, res.output
+    assert not staging.exists() and not (db / ".manifest.json.tmp-dead").exists()
+    with engramdb.open(db) as opened:
+        assert np.array_equal(opened["t"].fetch(np.arange(5)), written["t"][:5])
+    assert json.loads(runner.invoke(main, ["info", str(db), "--json"]).output)["leftovers"] == []
+
+
+# -- 9. a full disk and Ctrl-C name their cause -------------------------------------------------
+@pytest.mark.parametrize("cause", ["enospc", "interrupt"])
+def test_build_failure_names_its_cause(
+    db_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    import errno
+    import importlib
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    bt = importlib.import_module("engramdb.build.table")
+
+    db, written = db_factory({"t": (32, (70_000,))})
+    src = tmp_path / "new.npy"
+    np.save(src, np.random.default_rng(9).integers(0, 256, (70_000, 32), dtype=np.uint8))
+
+    def failing(self: Any, data: memoryview) -> None:
+        if cause == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bt._ShardWriter, "_write_all", failing)
+    with pytest.raises(OSError if cause == "enospc" else KeyboardInterrupt) as info:
+        build(db, "t", 32, [src], force=True)
+    assert not isinstance(info.value, BufferError)
+    res = CliRunner().invoke(
+        main, ["build", str(db), str(src), "--table", "t", "--row-bytes", "32", "--force"]
+    )
+    assert res.exit_code != 0
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    if cause == "enospc":
+        assert lines[-1].startswith("Error: No space left on device while writing shard 0")
+        assert "of table 't' (needs" in lines[-1] and "Traceback" not in res.output
+    else:
+        assert lines[-1].startswith("Aborted")
+    assert not isinstance(res.exception, BufferError)
+    with engramdb.open(db) as opened:  # intact: the previous table
+        assert np.array_equal(opened["t"].fetch(np.arange(100)), written["t"][:100])
+
+
+# -- 14. publish with no reachable master fails fast and quietly ----------------------------------
+def test_publish_without_a_master_fails_within_seconds(db_factory: Any) -> None:
+    import socket
+    import time
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main
+
+    db, _ = db_factory({"t": (32, (1000,))})
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    t0 = time.monotonic()
+    res = CliRunner().invoke(
+        main,
+        [
+            "publish",
+            str(db),
+            "--mooncake",
+            f"127.0.0.1:{port}",
+            "--metadata",
+            f"http://127.0.0.1:{port}/metadata",
+            "-q",
+            "--connect-timeout",
+            "2",
+        ],
+    )
+    elapsed = time.monotonic() - t0
+    assert res.exit_code != 0 and elapsed < 10, (elapsed, res.output)
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "not reachable" in lines[0] and f":{port}" in lines[0], lines
