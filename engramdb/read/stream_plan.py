@@ -135,16 +135,16 @@ class WindowMarks:
     `add` marks a batch's ids and returns the window's distinct row count; `distinct`
     returns the marked rows ascending; `rank` maps ids of the window to their index among
     them; `clear` unmarks the window (``O(distinct)``). Memory: ``n_rows`` bytes, plus
-    ``4 * n_rows`` for a dense rank array when that is at most 256 MiB (else ranks come from
-    a binary search). Not thread-safe: one window builder owns it."""
+    ``4 * n_rows`` for a dense rank array when that is at most ``dense_max_bytes`` (256 MiB by
+    default; else ranks come from a binary search). Not thread-safe: one window builder owns it."""
 
-    def __init__(self, n_rows: int):
+    def __init__(self, n_rows: int, *, dense_max_bytes: int = _DENSE_RANK_MAX_BYTES):
         if n_rows < 0:
             raise InvalidArgument(f"n_rows must be >= 0, got {n_rows}")
         self.n_rows = int(n_rows)
         self._mark = np.zeros(self.n_rows, dtype=bool)
         self._count = 0
-        self._dense = self.n_rows * 4 <= _DENSE_RANK_MAX_BYTES and self.n_rows < 2**31
+        self._dense = self.n_rows * 4 <= dense_max_bytes and self.n_rows < 2**31
         self._rank = np.zeros(self.n_rows if self._dense else 0, dtype=np.int32)
         self._rows: np.ndarray | None = None
 
