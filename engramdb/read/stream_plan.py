@@ -20,17 +20,27 @@ No I/O happens here: arrays in, arrays out (tested with hypothesis and no files)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from engramdb.errors import InvalidArgument
-from engramdb.read.plan import GeometryLike
 
 __all__ = ["RunPlan", "WindowMarks", "plan_runs"]
 
 # Above this many bytes a dense rank array (int32 per table row) is not kept: ranks come
 # from a binary search over the window's distinct rows instead.
 _DENSE_RANK_MAX_BYTES = 256 << 20
+
+
+class GeometryLike(Protocol):
+    """Compact rows in shards of ``rows_per_shard`` rows, row 0 of each at byte 0 (e.g.
+    ``engramdb.layouts.geometry.TableGeometry`` or ``engramdb.read.plan.Geometry``)."""
+
+    @property
+    def row_bytes(self) -> int: ...
+    @property
+    def rows_per_shard(self) -> int: ...
 
 
 @dataclass(frozen=True)
