@@ -264,12 +264,13 @@ class WindowStream:
             profile = calibrate(cal, fds, sizes)
         finally:
             cal.close()
-        # Reads in flight take at most 1/16 of the budget (a small budget shrinks them).
+        # Reads in flight take at most 1/24 of the budget (a small budget shrinks them).
         max_read = max(64 << 10, min(profile.max_read, _pow2_floor(max(1, budget // 64))))
-        depth = max(2, min(profile.depth, budget // 32 // max_read))
+        depth = max(2, min(profile.depth, budget // 24 // max_read))
         profile = replace(profile, max_read=max_read, depth=depth)
-        # A dense rank array (4 B per table row) only while it costs <= 1/32 of the budget.
-        self._marks = WindowMarks(int(geometry.n_rows), dense_max_bytes=budget // 32)
+        # A dense rank array (4 B per table row, ~20x faster ranks than a binary search)
+        # while it costs at most 1/8 of the budget.
+        self._marks = WindowMarks(int(geometry.n_rows), dense_max_bytes=budget // 8)
         self._reader = RunReader(fds, profile, rb)
         self._ring = [np.empty(slot_bytes, np.uint8) for _ in range(2)]
         # The backend's own bounce buffer is as large as one of ours.
@@ -296,6 +297,9 @@ class WindowStream:
             bytes_read=0,
             rows_read=0,
             window_tokens_max=0,
+            plan_seconds=0.0,
+            wait_seconds=0.0,
+            load_seconds=0.0,
         )
         self._cond = threading.Condition()
         self._queue: list[Any] = []
@@ -312,6 +316,7 @@ class WindowStream:
     def _ship(self, pending: list[tuple[Any, int, np.ndarray]], ntok: int) -> bool:
         """Plan, read and hand over one window; False when stopped."""
         marks = self._marks
+        t0 = time.perf_counter()
         rows = marks.distinct()
         plan = plan_runs(
             rows,
@@ -321,14 +326,19 @@ class WindowStream:
         )
         batches = [(tokens, skip, marks.rank(r)) for tokens, skip, r in pending]
         marks.clear()
+        t1 = time.perf_counter()
         with self._cond:
             while not self._free and not self._stop:
                 self._cond.wait()
             if self._stop:
                 return False
             self._free = False
+        t2 = time.perf_counter()
         self._reader.load(plan, self._compact)
         st = self._stats
+        st["plan_seconds"] += t1 - t0
+        st["wait_seconds"] += t2 - t1
+        st["load_seconds"] += time.perf_counter() - t2
         st["windows"] += 1
         st["runs"] += plan.n_runs
         st["bytes_read"] += plan.read_bytes
