@@ -329,6 +329,7 @@ class _Warm:
         self._done = threading.Event()
         self._error: BaseException | None = None
         stats["warm_seconds"] = None
+        stats["warm_bytes_per_s"] = None
         stats["resident_before"] = local.residency()
         self._t = threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
         self._t0 = time.perf_counter()
