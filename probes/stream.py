@@ -45,7 +45,7 @@ from workload_tables import EOS, LAYER, VOCAB, build_table, hasher_for_bytes  # 
 
 ROW = 160
 HEADS = 16
-SLACK = 256 << 20  # cgroup headroom for the interpreter, numpy, keygen arrays and the corpus
+SLACK = 320 << 20  # cgroup headroom for the interpreter, numpy, keygen arrays and the corpus
 
 
 # --- the arms (run in a child process) -------------------------------------------------------

@@ -26,7 +26,11 @@ import numpy as np
 
 from engramdb.errors import InvalidArgument
 
-__all__ = ["RunPlan", "WindowMarks", "plan_runs"]
+__all__ = ["PLAN_BYTES_PER_ROW", "RunPlan", "WindowMarks", "plan_runs"]
+
+#: Peak bytes per distinct row that planning a window needs besides the rows themselves
+#: (the sorted ids, their offsets and `plan_runs`' temporaries): budget it with the window.
+PLAN_BYTES_PER_ROW = 64
 
 # Above this many bytes a dense rank array (int32 per table row) is not kept: ranks come
 # from a binary search over the window's distinct rows instead.
@@ -100,8 +104,8 @@ def plan_runs(
     rps = int(geometry.rows_per_shard)
     r = np.asarray(rows, dtype=np.int64).reshape(-1)
     n = r.shape[0]
-    shard_of, local = np.divmod(r, rps)
-    off = local * rb
+    shard_of, off = np.divmod(r, rps)
+    off *= rb  # in place: transient memory per row stays ~50 B (`PLAN_BYTES_PER_ROW`)
     if n == 0:
         e = np.empty(0, np.int64)
         return RunPlan(
@@ -118,11 +122,13 @@ def plan_runs(
     end = off + rb
     starts_run = np.ones(n, dtype=bool)
     starts_run[1:] = (shard_of[1:] != shard_of[:-1]) | (off[1:] - end[:-1] > merge_gap)
-    run = np.cumsum(starts_run) - 1
-    run_start = off[starts_run][run]
-    piece = (end - run_start - 1) // int(max_read)
-    starts = starts_run.copy()
-    starts[1:] |= piece[1:] != piece[:-1]
+    run_start = off[starts_run][np.cumsum(starts_run) - 1]
+    run_start -= end
+    run_start += 1
+    run_start //= -int(max_read)  # the read-cap piece of each row, negated (in place)
+    starts = starts_run
+    starts[1:] |= run_start[1:] != run_start[:-1]
+    del run_start
     first = np.flatnonzero(starts)
     last = np.append(first[1:], n) - 1
     r_off = off[first]

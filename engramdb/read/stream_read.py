@@ -29,7 +29,7 @@ import numpy as np
 
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
-from engramdb.read.stream_plan import RunPlan, WindowMarks, plan_runs
+from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
 __all__ = ["DeviceProfile", "RunReader", "WindowStream", "calibrate"]
 
@@ -275,15 +275,17 @@ class WindowStream:
         self._ring = [np.empty(slot_bytes, np.uint8) for _ in range(2)]
         # The backend's own bounce buffer is as large as one of ours.
         fixed = 2 * slot_bytes + self._marks.nbytes + self._reader.nbytes * 3 // 2
-        # What is left: 88 % for the window's compact rows, 12 % for its ids (int64 while
+        # What is left: 88 % for the window's rows (compact copy + planning), 12 % for its ids (int64 while
         # the window grows, int32 ranks once planned: 12 B per row id).
         left = max(0, int(0.95 * budget) - fixed)
         slot_rows = slot_bytes // rb
-        self._cap_rows = max(int(0.88 * left) // rb, slot_rows, 1)
+        self._cap_rows = max(int(0.88 * left) // (rb + PLAN_BYTES_PER_ROW), slot_rows, 1)
         self._max_tokens = max(1, int(0.12 * left) // (12 * self._heads))
         self._compact = np.empty((self._cap_rows, rb), np.uint8)
         self._stats = stats
-        memory = fixed + self._cap_rows * rb + self._max_tokens * 12 * self._heads
+        memory = (
+            fixed + self._cap_rows * (rb + PLAN_BYTES_PER_ROW) + self._max_tokens * 12 * self._heads
+        )
         stats.update(
             device=profile.as_dict(),
             backend=self._reader.backend.name,
