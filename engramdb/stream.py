@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,13 @@ from typing import Any
 import numpy as np
 
 from engramdb.corpus import corpus_files, open_tokens
+from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
 from engramdb.keygen import preset as keygen_preset
+from engramdb.read.stream_read import WindowStream
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
+from engramdb.units import parse_size
 
 _DONE = object()
 
@@ -166,7 +170,9 @@ def stream(
     view: Any = None,
     bin_dtype: str | None = None,
     workers: int = 2,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    page_cache_budget: int | str | None = None,
+    mode: str = "auto",
+) -> Stream:
     """Yield ``(token_ids, e_t)`` for every position of ``corpus``, read ``depth`` batches
     ahead by a background thread.
 
@@ -179,7 +185,18 @@ def stream(
     the table (its name, or a `View`) to serve keys from; misses fall back to Store-I. Memory: ``depth + 2`` buffers of ``batch_tokens`` x
     ``H`` x ``row_bytes``. ``workers`` threads each take whole batches (keygen and gather);
     errors are raised here, at the batch they hit.
+
+    ``mode`` (a local table without a view): ``"warm"`` reads the table sequentially once
+    in the background (``MADV_POPULATE_READ``) and serves every batch from the mapping;
+    ``"windows"`` reads look-ahead windows of distinct rows in file order into a bounded
+    row store (`engramdb.read.stream_plan`), never holding more than the budget;
+    ``"batch"`` reads each batch through the store's read path; ``"auto"`` (default) picks
+    ``"warm"`` when the table fits ``page_cache_budget`` (bytes or ``"8G"``; default
+    ``MemAvailable`` minus a margin), else ``"windows"``. The returned `Stream` is an
+    iterator; its `Stream.stats` reports the mode, the calibration and what was read.
     """
+    if mode not in _MODES:
+        raise InvalidArgument(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     if batch_tokens < 1 or depth < 1 or workers < 1:
         raise InvalidArgument(
             f"batch_tokens, depth and workers must be >= 1: {batch_tokens}, {depth}, {workers}"
@@ -210,6 +227,39 @@ def stream(
         raise InvalidArgument(f"view records are {view.record_bytes} B, not {n_heads} x {rb} B")
 
     local = store if isinstance(store, LocalTable) else None
+    budget = _budget(page_cache_budget)
+    if mode == "auto":
+        if local is None or view is not None:
+            mode = "batch"
+        else:
+            mode = "warm" if local.nbytes <= budget else "windows"
+    elif mode != "batch" and (local is None or view is not None):
+        raise InvalidArgument(f"mode={mode!r} needs a local table and no view")
+    stats: dict[str, Any] = {
+        "mode": mode,
+        "page_cache_budget": budget,
+        "table_bytes": store.nbytes,
+        "batches": 0,
+        "tokens": 0,
+    }
+    work = (w for arr in _sequences(corpus, bin_dtype) for w in _windows(arr, batch_tokens, hist))
+    if mode == "windows":
+        assert local is not None
+        ws = WindowStream(
+            local.fd_array,
+            [sh.bytes for sh in local.info.shards],
+            local.geometry,
+            n_heads=n_heads,
+            budget=budget,
+            slot_bytes=slot_bytes,
+            stats=stats,
+        )
+        return Stream(ws.run(work, lambda t: h.row_ids(t, layer=layer), copy), stats, ws.close)
+    warm: _Warm | None = None
+    if mode == "warm":
+        assert local is not None
+        warm = _Warm(local, stats)
+        table_arr = local.array()
 
     def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
         buf = ring[i % len(ring)]
@@ -219,7 +269,10 @@ def stream(
             view.lookup(h.keys(tokens), e.reshape(tokens.shape + (n_heads * rb,)))
         else:
             rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
-            if local is not None:
+            if warm is not None:
+                warm.wait()
+                np.take(table_arr, rows.reshape(-1), axis=0, out=e.reshape(-1, rb), mode="clip")
+            elif local is not None:
                 local.gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
             else:
                 store.gather(rows.reshape(-1), e.reshape(-1, rb))
@@ -227,25 +280,125 @@ def stream(
             return tokens[skip:], e[skip:]
         return tokens, e
 
-    work = (w for arr in _sequences(corpus, bin_dtype) for w in _windows(arr, batch_tokens, hist))
-    return _consume(work, produce, depth, workers, copy)
+    pool = _Workers(work, produce, depth, workers)
+
+    def close() -> None:
+        pool.close()
+        if warm is not None:
+            warm.join()
+
+    return Stream(_consume(pool, copy, stats), stats, close)
 
 
 def _consume(
-    work: Iterator[tuple[Any, int]], produce: Any, depth: int, workers: int, copy: bool
+    pool: _Workers, copy: bool, stats: dict[str, Any]
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    pool = _Workers(work, produce, depth, workers)
-    try:
-        while True:
-            item = pool.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            tokens, e = item
-            yield (tokens, e.copy()) if copy else (tokens, e)
-    finally:
-        pool.close()
+    while True:
+        item = pool.get()
+        if item is _DONE:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        tokens, e = item
+        stats["batches"] += 1
+        stats["tokens"] += int(tokens.size)
+        yield (tokens, e.copy()) if copy else (tokens, e)
+
+
+_MODES = {"auto", "warm", "windows", "batch"}
+_MARGIN_MIN = 1 << 30  # the default budget leaves MemAvailable minus max(1 GiB, 10 %)
+
+
+def _budget(page_cache_budget: int | str | None) -> int:
+    if page_cache_budget is not None:
+        b = parse_size(page_cache_budget)
+        if b <= 0:
+            raise InvalidArgument(f"page_cache_budget must be > 0, got {page_cache_budget!r}")
+        return b
+    avail = mem_available()
+    return max(0, avail - max(_MARGIN_MIN, avail // 10))
+
+
+class _Warm:
+    """The table read sequentially once in a background thread (``LocalTable.populate``:
+    ``MADV_POPULATE_READ`` with sequential advice), then served from the mapping."""
+
+    def __init__(self, local: LocalTable, stats: dict[str, Any]):
+        self._local = local
+        self._stats = stats
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        stats["warm_seconds"] = None
+        stats["warm_bytes_per_s"] = None
+        stats["resident_before"] = local.residency()
+        self._t = threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
+        self._t0 = time.perf_counter()
+        self._t.start()
+
+    def _run(self) -> None:
+        try:
+            self._local.populate(threads=2)
+        except BaseException as e:  # raised at the consumer, in the first batch's place
+            self._error = e
+        finally:
+            dt = time.perf_counter() - self._t0
+            self._stats["warm_seconds"] = dt
+            self._stats["warm_bytes_per_s"] = self._local.nbytes / dt if dt > 0 else 0.0
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def join(self) -> None:
+        self._t.join()
+
+
+class Stream:
+    """The iterator `stream` returns: ``(token_ids, e_t)`` batches in corpus order.
+    `stats` reports the read mode, the budget and (windowed reads) the device calibration
+    and what was read; `close` (also on abandonment) stops the background threads."""
+
+    def __init__(
+        self, gen: Iterator[tuple[np.ndarray, np.ndarray]], stats: dict[str, Any], close: Any
+    ):
+        self._gen = gen
+        self._stats = stats
+        self._close = close
+        self._closed = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return next(self._gen)
+        except BaseException:
+            self.close()
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        """A copy of the counters: ``mode``, ``page_cache_budget``, ``table_bytes``,
+        ``batches``, ``tokens``; warm mode: ``warm_seconds``, ``warm_bytes_per_s``,
+        ``resident_before``; windows mode: ``device`` (the calibration and the chosen
+        ``merge_gap``, ``max_read``, ``depth``), ``window_cap_bytes``, ``windows``,
+        ``runs``, ``bytes_read``, ``rows_read``, ``memory_bytes`` (peak the stream holds)."""
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            close_gen = getattr(self._gen, "close", None)
+            if close_gen is not None:
+                close_gen()
+            self._close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _resolve_store(source: Any, table: str | None) -> RowTable:

@@ -1,219 +1,353 @@
-"""Corpus streaming: tokens/s of `engramdb.stream` (16 rows x 160 B per token), warm and cold.
+"""Corpus streaming from a cold table: `engramdb.stream` vs a plain np.memmap vs an in-RAM gather.
 
-    python probes/stream.py [--gb 1.6] [--tokens 4000000] [--cold-tokens 10000] [--reps 5]
-                            [--batch-tokens 8192] [--dir D] [--keep]
+    python probes/stream.py [--gb 2.56] [--tokens 2000000] [--reps 2] [--batch-tokens 8192]
+                            [--dir D] [--keep] [--quick]
 
-Builds a Qwen-PLE-geometry table (~--gb GB) and deletes it at the end. First an untimed pass
-checks every streamed batch against keygen + `Store.fetch` of the same positions. Arms,
-interleaved (order alternates per repetition), medians:
+Builds a Qwen-PLE-geometry table (16 heads x 160 B, ~--gb GB) and a Zipf token corpus, and
+deletes both at the end. Every arm runs in a **fresh process** and every cold arm starts
+after ``sync; echo 1 > /proc/sys/vm/drop_caches`` (root) plus ``POSIX_FADV_DONTNEED`` of the
+table's files, with the residency checked (mincore) before it starts. Arms:
 
-  warm (table populated):  stream (background keygen + gather, bounded queue)
-                           | sync (keygen then Store.fetch_into on the consumer's thread)
-                           | numpy (keygen then memmap[rows])
-  warm, busy consumer:     the consumer spends --consumer-ms per batch (a sleep, like a GPU
-                           step): stream overlaps it, sync adds it
-  cold (table evicted before each arm, residency checked): stream | sync
+  ram            keygen + np.take from the table loaded into RAM (the reference: every other
+                 arm's per-batch xxh3 digests must equal its digests, i.e. bit-equal output)
+  memmap_cold    keygen + plain np.memmap(shard)[rows] (what a naive user writes), cold
+  stream_cold    db.stream(...) defaults, cold: the table fits the page-cache budget, so it
+                 is read sequentially in the background and then served from the mapping
+  stream_warm    db.stream(...) defaults, table resident (right after stream_cold)
+  memmap_over / stream_over   the same two with the table 2x a page-cache budget: both run
+                 in a memory cgroup limited to budget + the interpreter's slack, the stream
+                 gets page_cache_budget=budget (windowed reads in file order, O_DIRECT)
+
+An arm stops after --max-seconds (a thrashing memmap would take minutes): its figures and its
+bit-equality check then cover the prefix it streamed. Per arm: tokens/s, rows/s (16 per token), time to the first batch and the rate after it,
+device bytes read (/proc/self/io read_bytes) vs payload bytes (tokens x 2560), peak RSS,
+the cgroup's peak usage, the stream's stats (mode, calibration, windows, bytes read).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, proc_read_bytes, vm_hwm_mb, write_json  # noqa: E402
-from workload_tables import (  # noqa: E402
-    LAYER,
-    build_table,
-    hasher_for_bytes,
-    make_cold,
-    residency,
-    token_stream,
-)
+from workload_tables import EOS, LAYER, VOCAB, build_table, hasher_for_bytes  # noqa: E402
 
-import engramdb  # noqa: E402
-from engramdb.testing.pages import drop_mapped_pages  # noqa: E402
+ROW = 160
+HEADS = 16
+SLACK = 320 << 20  # cgroup headroom for the interpreter, numpy, keygen arrays and the corpus
+
+
+# --- the arms (run in a child process) -------------------------------------------------------
+def _join_cgroup(path: str | None) -> None:
+    if path:
+        Path(path, "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _shard(dbp: Path) -> Path:
+    import engramdb
+
+    with engramdb.open(dbp) as db:
+        s = db["ple"]
+        assert len(s.info.shards) == 1
+        return s.db_path / s.info.shards[0].path
+
+
+def arm_main(a: argparse.Namespace) -> None:
+    _join_cgroup(a.cgroup)
+    import xxhash
+
+    import engramdb
+
+    h = hasher_for_bytes(int(a.gb * 1e9))
+    corpus = np.load(a.corpus)
+    bt = a.batch_tokens
+    dbp = Path(a.db)
+    digests: list[int] = []
+    marks: list[tuple[float, int]] = []
+    extra: dict[str, Any] = {}
+    out = np.empty((bt, HEADS, ROW), np.uint8)
+    io0 = proc_read_bytes()
+    t0 = time.perf_counter()
+    if a.arm == "ram":
+        table = np.fromfile(_shard(dbp), dtype=np.uint8)
+        table = table[: h.table_rows(LAYER) * ROW].reshape(-1, ROW)
+        io0 = proc_read_bytes()
+        t0 = time.perf_counter()
+    if a.arm in ("ram", "memmap"):
+        if a.arm == "memmap":
+            mm = np.memmap(_shard(dbp), dtype=np.uint8, mode="r")
+            table = mm[: h.table_rows(LAYER) * ROW].reshape(-1, ROW)
+        ks = h.stream(layer=LAYER)
+        for i in range(0, corpus.size, bt):
+            ids = ks.push(corpus[i : i + bt])
+            n = ids.shape[0]
+            e = out[:n]
+            if a.arm == "ram":
+                np.take(table, ids.reshape(-1), axis=0, out=e.reshape(-1, ROW), mode="clip")
+            else:  # in slices, so the time cap holds even when one batch thrashes for minutes
+                for j in range(0, n, 64):
+                    e[j : j + 64] = table[ids[j : j + 64]]
+                    if time.perf_counter() - t0 > a.max_seconds:
+                        n = j + min(64, n - j)  # a partial batch: timed, not digested
+                        break
+                else:
+                    n = -n
+                if n > 0:
+                    marks.append((time.perf_counter() - t0, n))
+                    break
+                n = -n
+            digests.append(xxhash.xxh3_64_intdigest(e))
+            marks.append((time.perf_counter() - t0, n))
+            if marks[-1][0] > a.max_seconds:
+                break
+    else:
+        budget = a.budget or None
+        with engramdb.open(dbp) as db:
+            st = db.stream(corpus, preset=h, batch_tokens=bt, page_cache_budget=budget)
+            for tokens, e in st:
+                digests.append(xxhash.xxh3_64_intdigest(e))
+                marks.append((time.perf_counter() - t0, int(tokens.shape[0])))
+                if marks[-1][0] > a.max_seconds:
+                    break
+            extra["stream_stats"] = st.stats()
+            st.close()
+    dt = time.perf_counter() - t0
+    dev = proc_read_bytes() - io0
+    tok = sum(n for _, n in marks)
+    first_t = marks[0][0] if marks else dt
+    after = (tok - marks[0][1]) / (dt - first_t) if len(marks) > 1 and dt > first_t else 0.0
+    # time until the cumulative average over the last 1 s window reached 1 M tokens/s
+    ts = np.array([m[0] for m in marks])
+    cum = np.cumsum([m[1] for m in marks])
+    res = {
+        "arm": a.arm,
+        "tokens": tok,
+        "seconds": dt,
+        "tokens_per_s": tok / dt,
+        "rows_per_s": tok * HEADS / dt,
+        "first_batch_s": first_t,
+        "tokens_per_s_after_first": after,
+        "device_bytes": dev,
+        "payload_bytes": tok * HEADS * ROW,
+        "vm_hwm_mb": vm_hwm_mb(),
+        "t_1m_tokens": float(ts[np.searchsorted(cum, 1_000_000)]) if cum[-1] >= 1e6 else None,
+        "digests": digests,
+        **extra,
+    }
+    print("RESULT " + json.dumps(res, default=float))
+
+
+# --- the driver ------------------------------------------------------------------------------
+def drop_caches(files: list[Path]) -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+    except OSError:
+        pass
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def residency(f: Path) -> float:
+    from engramdb.testing.pages import file_residency
+
+    return float(file_residency(f))
+
+
+def make_cgroup(limit: int) -> Path | None:
+    try:
+        line = next(
+            ln for ln in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in ln
+        )
+        base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+        cg = base / f"edb-stream-probe-{os.getpid()}"
+        cg.mkdir(exist_ok=True)
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        return cg
+    except (OSError, StopIteration):
+        return None
+
+
+def cgroup_peak(cg: Path | None) -> int | None:
+    if cg is None:
+        return None
+    v = int((cg / "memory.max_usage_in_bytes").read_text())
+    (cg / "memory.max_usage_in_bytes").write_text("0")
+    return v
+
+
+def run_arm(args: argparse.Namespace, arm: str, kind: str, work: Path, extra: list[str]) -> dict:
+    cmd = [
+        sys.executable, __file__, "--arm", kind, "--db", str(work / "db"),
+        "--corpus", str(work / "corpus.npy"), "--gb", str(args.gb),
+        "--batch-tokens", str(args.batch_tokens), "--max-seconds", str(args.max_seconds), *extra,
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"arm {arm} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    return dict(json.loads(line[7:]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gb", type=float, default=1.6)
-    ap.add_argument("--tokens", type=int, default=4_000_000)
-    ap.add_argument("--cold-tokens", type=int, default=10_000)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gb", type=float, default=2.56)
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--consumer-ms", type=float, default=4.0)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument(
+        "--max-seconds", type=float, default=60.0, help="an arm stops after this (a prefix)"
+    )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="1 GB table, 600 k tokens, 1 rep")
+    ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--corpus", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.arm:
+        arm_main(args)
+        return
+    if args.quick:
+        args.gb, args.tokens, args.reps, args.max_seconds = 1.0, 600_000, 1, 20.0
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="edb-stream-"))
     work.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    bt = args.batch_tokens
-    doc: dict[str, object] = {"probe": "stream", "batch_tokens": bt, "reps": args.reps}
+    cg: Path | None = None
+    doc: dict[str, Any] = {"probe": "stream", "args": {k: v for k, v in vars(args).items()}}
     try:
         h = hasher_for_bytes(int(args.gb * 1e9))
-        db = engramdb.open(build_table(work, h))
-        s = db["ple"]
-        doc["table_bytes"] = s.nbytes
-        print(f"table: {s.n_rows:,} rows x 160 B = {s.nbytes / 1e9:.2f} GB")
-        corpus = token_stream(rng, args.tokens)
-        s.populate()
-
-        # -- correctness: every batch of the whole corpus ------------------------------------
-        t0 = time.perf_counter()
-        pos = 0
-        for tokens, e in db.stream(corpus, preset=h, batch_tokens=bt):
-            n = tokens.shape[0]
-            assert np.array_equal(tokens, corpus[pos : pos + n])
-            lo = max(0, pos - 2)
-            want = s.fetch(h.row_ids(corpus[lo : pos + n], layer=LAYER)[pos - lo :])
-            assert np.array_equal(e, want), f"batch at token {pos} differs"
-            pos += n
-        assert pos == corpus.size
+        dbp = build_table(work, h)
+        shard = _shard(dbp)
+        table_bytes = shard.stat().st_size
+        rng = np.random.default_rng(0)
+        corpus = (rng.zipf(args.zipf, args.tokens) - 1) % VOCAB
+        corpus[rng.random(args.tokens) < 1 / 2000] = EOS
+        np.save(work / "corpus.npy", corpus)
+        budget = table_bytes // 2
+        cg = make_cgroup(budget + SLACK)
         print(
-            f"correctness: {pos:,} tokens streamed == keygen + Store.fetch "
-            f"({time.perf_counter() - t0:.1f} s)"
+            f"table {table_bytes / 1e9:.2f} GB; corpus {args.tokens:,} Zipf({args.zipf}) tokens, "
+            f"batches of {args.batch_tokens:,}; over-budget arms: budget {budget / 1e9:.2f} GB, "
+            f"cgroup limit {(budget + SLACK) / 1e9:.2f} GB"
+            + ("" if cg else " (NO cgroup: memmap_over is not memory-bounded)")
         )
-
-        def arm_stream(toks: np.ndarray, consumer_s: float = 0.0) -> float:
-            t0 = time.perf_counter()
-            n = 0
-            for tokens, e in db.stream(toks, preset=h, batch_tokens=bt):
-                n += tokens.shape[0] + 0 * int(e[-1, -1, -1])  # the consumer touches its rows
-                if consumer_s:
-                    time.sleep(consumer_s)
-            return n / (time.perf_counter() - t0)
-
-        out = np.empty((bt, 16, 160), np.uint8)
-
-        def arm_sync(toks: np.ndarray, consumer_s: float = 0.0) -> float:
-            t0 = time.perf_counter()
-            ks = h.stream(layer=LAYER)
-            for i in range(0, toks.size, bt):
-                rows = ks.push(toks[i : i + bt])
-                s.fetch_into(rows, out[: rows.shape[0]])
-                if consumer_s:
-                    time.sleep(consumer_s)
-            return toks.size / (time.perf_counter() - t0)
-
-        mm = np.memmap(s.db_path / s.info.shards[0].path, dtype=np.uint8, mode="r")
-        npt = mm[: s.n_rows * 160].reshape(s.n_rows, 160)
-
-        def arm_numpy(toks: np.ndarray) -> float:
-            t0 = time.perf_counter()
-            ks = h.stream(layer=LAYER)
-            for i in range(0, toks.size, bt):
-                out[: min(bt, toks.size - i)] = npt[ks.push(toks[i : i + bt])]
-            return toks.size / (time.perf_counter() - t0)
-
-        arm_numpy(corpus[: 20 * bt])  # fill the numpy mapping's page tables once
-
-        def run(arms: dict[str, Callable[[], float]], label: str) -> dict[str, list[float]]:
-            res: dict[str, list[float]] = {k: [] for k in arms}
-            names = list(arms)
-            print(f"\n{label} (M tokens/s):")
-            for r in range(args.reps):
-                order = names if r % 2 == 0 else names[::-1]
-                row = []
-                for n in order:
-                    v = arms[n]()
-                    res[n].append(v)
-                    row.append(f"{n} {v / 1e6:.3f}")
-                print(f"  rep {r}: " + "  ".join(row))
-            first = names[0]
-            print(f"  baseline again: {first} {arms[first]() / 1e6:.3f}")
-            return res
-
-        before = s.stats()
-        warm = run(
-            {
-                "stream": lambda: arm_stream(corpus),
-                "sync": lambda: arm_sync(corpus),
-                "numpy": lambda: arm_numpy(corpus),
-            },
-            f"warm, {corpus.size:,} tokens (resident {residency(s):.0%})",
-        )
-        after = s.stats()
-        doc["warm_served_rows"] = after["rows_fetched"] - before["rows_fetched"]
-        doc["warm_io_requests"] = after["io"]["requests"] - before["io"]["requests"]
-        part = corpus[: 100 * bt]
-        cs = args.consumer_ms / 1e3
-        busy = run(
-            {"stream": lambda: arm_stream(part, cs), "sync": lambda: arm_sync(part, cs)},
-            f"warm, consumer busy {args.consumer_ms} ms per {bt}-token batch",
-        )
-        drop_mapped_pages(npt)
-
-        cold_toks = token_stream(rng, args.cold_tokens)
-        cold_res: dict[str, list[float]] = {"stream": [], "sync": []}
-        cold_info: dict[str, list[dict[str, float]]] = {"stream": [], "sync": []}
-        print(f"\ncold, {cold_toks.size:,} tokens per arm (M tokens/s):")
+        arms: dict[str, tuple[str, list[str], bool]] = {
+            # name: (kind, extra args, cold)
+            "ram": ("ram", [], False),
+            "memmap_cold": ("memmap", [], True),
+            "stream_cold": ("stream", [], True),
+            "stream_warm": ("stream", [], False),
+            # a plain memmap thrashes in the cgroup (~1 GB/s of device reads for a few rows):
+            # a few seconds show it without hammering a shared disk for a minute
+            "memmap_over": (
+                "memmap",
+                ["--max-seconds", str(min(5.0, args.max_seconds))]
+                + (["--cgroup", str(cg)] if cg else []),
+                True,
+            ),
+            "stream_over": (
+                "stream",
+                ["--budget", str(budget)] + (["--cgroup", str(cg)] if cg else []),
+                True,
+            ),
+        }
+        res: dict[str, list[dict]] = {k: [] for k in arms}
+        ref: list[int] | None = None
         for r in range(args.reps):
-            order = ["stream", "sync"] if r % 2 == 0 else ["sync", "stream"]
-            row = []
-            for n in order:
-                left = make_cold(s)
-                if left > 0.01:
-                    raise SystemExit(f"eviction failed: {left:.1%} still resident")
-                io0 = proc_read_bytes()
-                st0 = s.stats()
-                v = arm_stream(cold_toks) if n == "stream" else arm_sync(cold_toks)
-                st1 = s.stats()
-                cold_res[n].append(v)
-                info = {
-                    "device_bytes": proc_read_bytes() - io0,
-                    "io_requests": st1["io"]["requests"] - st0["io"]["requests"],
-                    "resident_after": residency(s),
-                }
-                cold_info[n].append(info)
-                row.append(
-                    f"{n} {v / 1e6:.4f} (device {info['device_bytes'] / 1e6:.0f} MB, "
-                    f"{info['io_requests']:,} reads)"
+            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+            order.remove("stream_warm")  # warm follows stream_cold (the table is resident)
+            order.insert(order.index("stream_cold") + 1, "stream_warm")
+            print(f"rep {r}:")
+            for name in order:
+                kind, extra, cold = arms[name]
+                if cold:
+                    drop_caches([shard])
+                    left = residency(shard)
+                    if left > 0.01:
+                        raise SystemExit(f"eviction failed: {left:.1%} still resident")
+                else:
+                    left = residency(shard)
+                cgroup_peak(cg)
+                out = run_arm(args, name, kind, work, extra)
+                out["resident_before"] = left
+                out["resident_after"] = residency(shard)
+                out["cgroup_peak_bytes"] = cgroup_peak(cg) if "--cgroup" in extra else None
+                digests = out.pop("digests")
+                if ref is None and name == "ram":
+                    ref = digests
+                out["bit_equal"] = None if ref is None else digests == ref[: len(digests)]
+                out["complete"] = len(digests) == len(ref or digests)
+                res[name].append(out)
+                ss = out.get("stream_stats", {})
+                cgp = out["cgroup_peak_bytes"]
+                print(
+                    f"  {name:12s} {out['tokens_per_s'] / 1e3:9.1f} k tok/s "
+                    f"{out['rows_per_s'] / 1e6:6.2f} M rows/s  first batch {out['first_batch_s']:5.2f} s, "
+                    f"then {out['tokens_per_s_after_first'] / 1e3:8.1f} k tok/s  "
+                    f"device {out['device_bytes'] / 1e9:5.2f} GB = "
+                    f"{out['device_bytes'] / out['payload_bytes']:.2f}x payload  "
+                    f"resident {left:.0%}->{out['resident_after']:.0%}  "
+                    f"RSS {out['vm_hwm_mb']:.0f} MB"
+                    + (f"  cgroup peak {cgp / 1e9:.2f} GB" if cgp else "")
+                    + (f"  mode {ss.get('mode')}" if ss else "")
+                    + f"  bit-equal {out['bit_equal']}"
+                    + ("" if out["complete"] else f" (first {out['tokens']:,} tokens: time cap)")
                 )
-            print(f"  rep {r}: " + "  ".join(row))
-        doc["cold_choices"] = s.stats().get("choices")
-
-        def med(res: dict[str, list[float]]) -> dict[str, float]:
-            return {k: median(v) for k, v in res.items()}
-
-        doc.update(
-            warm_tokens_per_s=med(warm),
-            busy_tokens_per_s=med(busy),
-            cold_tokens_per_s=med(cold_res),
-            cold_info=cold_info,
-            warm_reps=warm,
-            vm_hwm_mb=vm_hwm_mb(),
-            stats=s.stats(),
-        )
-        db.close()
-        w, b, c = med(warm), med(busy), med(cold_res)
-        print("\nsummary (medians):")
+        # the ram arm may not run first: check everything against it at the end
+        med = {k: median([o["tokens_per_s"] for o in v]) for k, v in res.items()}
+        all_equal = all(o["bit_equal"] is not False for v in res.values() for o in v)
+        over = res["stream_over"][-1]
+        oss = over.get("stream_stats", {})
+        print("\nstream_over stats:", json.dumps({k: v for k, v in oss.items()}, default=float))
         print(
-            f"  warm: stream {w['stream'] / 1e6:.3f} M tokens/s = {w['stream'] * 16 / 1e6:.1f} M rows/s"
-            f" = {w['stream'] * 2560 / 1e9:.2f} GB/s; sync {w['sync'] / 1e6:.3f}; "
-            f"numpy {w['numpy'] / 1e6:.3f}"
+            "stream_cold stats:",
+            json.dumps(res["stream_cold"][-1].get("stream_stats"), default=float),
+        )
+        print("\nsummary (medians, tokens/s):")
+        for k, v in med.items():
+            print(f"  {k:12s} {v / 1e3:9.1f} k")
+        dev_over = median([o["device_bytes"] / o["payload_bytes"] for o in res["stream_over"]])
+        cold_s = res["stream_cold"]
+        print(
+            f"  stream_cold: first batch after {median([o['first_batch_s'] for o in cold_s]):.2f} s, "
+            f"then {median([o['tokens_per_s_after_first'] for o in cold_s]) / 1e6:.2f} M tok/s; "
+            f"1 M tokens served after {median([o['t_1m_tokens'] or float('nan') for o in cold_s]):.2f} s"
         )
         print(
-            f"  busy consumer: stream {b['stream'] / 1e6:.3f} vs sync {b['sync'] / 1e6:.3f} M tokens/s"
+            f"  stream_over: device {dev_over:.2f}x payload; stream memory {oss.get('memory_bytes', 0) / 1e9:.2f} GB "
+            f"of budget {budget / 1e9:.2f} GB; resident after {over['resident_after']:.0%} of the table"
         )
-        print(f"  cold: stream {c['stream'] / 1e3:.1f} k tokens/s vs sync {c['sync'] / 1e3:.1f} k")
-        print(f"  peak RSS {doc['vm_hwm_mb']:.0f} MB")
+        print(f"  bit-equal in every arm: {all_equal}")
         print(
-            f"ratio warm stream / numpy: {w['stream'] / w['numpy']:.2f}x; "
-            f"stream / sync: {w['stream'] / w['sync']:.2f}x; "
-            f"busy stream / sync: {b['stream'] / b['sync']:.2f}x; "
-            f"cold stream / sync: {c['stream'] / c['sync']:.2f}x"
+            f"ratio stream_cold / memmap_cold: {med['stream_cold'] / med['memmap_cold']:.2f}x; "
+            f"stream_over / memmap_over: {med['stream_over'] / med['memmap_over']:.2f}x; "
+            f"stream_warm / ram: {med['stream_warm'] / med['ram']:.2f}x"
         )
+        doc.update(results=res, medians=med, table_bytes=table_bytes, budget=budget,
+                   bit_equal=all_equal)  # fmt: skip
         print(f"json: {write_json('stream', doc)}")
     finally:
+        if cg is not None:
+            try:
+                cg.rmdir()
+            except OSError:
+                pass
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -168,3 +168,83 @@ def test_stream_reads_any_row_table(
     assert table.gathers == len(toks)
     with pytest.raises(InvalidArgument, match="no views"):
         engramdb.stream(table, seq, preset=h, view="v")
+
+
+# -- access-order reads: warm (fits the budget), windows (over it) ---------------------------
+@pytest.mark.parametrize(
+    "budget, mode, want",
+    [
+        (None, "auto", "warm"),  # fits MemAvailable: read sequentially once, then the mapping
+        ("half", "auto", "windows"),  # over the budget: windows in file order
+        ("tenth", "windows", "windows"),  # a small budget: many small windows
+        (None, "batch", "batch"),  # the per-batch read path
+    ],
+)
+def test_every_read_mode_is_bit_equal_to_an_in_ram_gather(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray],
+    rng: np.random.Generator,
+    budget: str | None,
+    mode: str,
+    want: str,
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (20_000,))
+    block = corpus(rng, (30, 50))
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        b = {None: None, "half": s.nbytes // 2, "tenth": s.nbytes // 10}[budget]
+        for data, bt in ((seq, 1500), (block, 500)):
+            st = db.stream(data, preset=h, batch_tokens=bt, page_cache_budget=b, mode=mode)
+            toks, es = collect(st)
+            ref = full[h.row_ids(data, layer=2)]
+            assert np.array_equal(np.concatenate(toks), data)
+            assert np.array_equal(np.concatenate(es).reshape(ref.shape), ref)
+            stats = st.stats()
+            assert stats["mode"] == want
+            assert stats["tokens"] == data.size and stats["batches"] == len(toks)
+            assert stats["table_bytes"] == s.nbytes
+            if want == "warm":
+                assert stats["warm_seconds"] is not None and s.residency() == 1.0
+            if want == "windows":
+                assert stats["page_cache_budget"] == b
+                dev = stats["device"]
+                for k in ("merge_gap", "max_read", "depth", "random_iops", "seq_bytes_per_s"):
+                    assert dev[k] > 0, k
+                assert stats["windows"] >= 1 and stats["runs"] >= stats["windows"]
+                assert stats["rows_read"] >= len(np.unique(h.row_ids(data, layer=2)))
+                assert stats["bytes_read"] >= stats["rows_read"] * 160
+                assert stats["window_cap_bytes"] > 0
+
+
+def test_windows_mode_delivers_batches_before_an_error_and_stops(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (6000,))
+    seq[4200] = VOCAB + 1
+    before = threading.active_count()
+    with engramdb.open(path) as db:
+        b = db["ple"].nbytes // 4
+        got = []
+        with pytest.raises(TokenIdOutOfRange):
+            for _, e in db.stream(seq, preset=h, batch_tokens=600, page_cache_budget=b):
+                got.append(e.copy())
+        assert len(got) == 7, "the batches before the bad one"
+        assert np.array_equal(np.concatenate(got), full[h.row_ids(seq[:4200], layer=2)])
+        it = db.stream(seq[:4000], preset=h, batch_tokens=100, page_cache_budget=b)
+        next(it)
+        it.close()  # abandoning a windowed stream stops its loader and reader
+    assert threading.active_count() <= before + 1
+
+
+def test_read_mode_arguments_are_checked(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray],
+) -> None:
+    path, h, full = db_and_table
+    with engramdb.open(path) as db:
+        with pytest.raises(InvalidArgument, match="mode"):
+            db.stream(np.arange(10), preset=h, mode="fast")
+        with pytest.raises(InvalidArgument, match="page_cache_budget"):
+            db.stream(np.arange(10), preset=h, page_cache_budget=0)
+    with pytest.raises(InvalidArgument, match="local table"):
+        engramdb.stream(MemoryTable(full, name="ple"), np.arange(10), preset=h, mode="windows")
