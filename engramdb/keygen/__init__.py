@@ -1,4 +1,4 @@
-"""Keygen: bit-exact table row ids of DeepSeek Engram, Qwen4-Exp PLE and Gemma 3n PLE.
+"""Keygen: bit-exact table row ids of DeepSeek Engram, engram-peft, Qwen4-Exp PLE and Gemma 3n PLE.
 
 >>> from engramdb import keygen
 >>> h = keygen.preset("qwen3.8-flash-next")
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, kernel_stats
 from engramdb.keygen.kinds import DeepSeekHasher, GemmaHasher, QwenHasher
-from engramdb.keygen.presets import KINDS, PRESETS, as_hasher, hasher, preset
+from engramdb.keygen.peft import PeftHasher, build_peft
+from engramdb.keygen.presets import KINDS, PRESETS, as_hasher, from_config_file, hasher, preset
 from engramdb.keygen.stream import KeyStream, Step, StepSource
 from engramdb.keygen.tokenmap import (
     TokenMap,
@@ -31,14 +32,17 @@ __all__ = [
     "Hasher",
     "KeyStream",
     "LayerTables",
+    "PeftHasher",
     "QwenHasher",
     "Step",
     "StepSource",
     "TokenMap",
     "as_hasher",
+    "build_peft",
     "build_token_map",
     "compression_normalizer",
     "file_sha256",
+    "from_config_file",
     "hasher",
     "kernel_stats",
     "load_token_map",

@@ -57,6 +57,11 @@ class LayerTables:
 
     ``primes[col]`` is the bucket count of column ``col`` (order-major, head-minor), ``offsets``
     its first global row, ``table_rows`` the table size (the sum of the buckets, possibly padded).
+
+    ``peft_orders`` (None: the n-grams 2..N ending at the current token, ``m[0]`` on the
+    current token) selects engram-peft's windows instead: column group ``i`` hashes the
+    ``peft_orders[i]`` *oldest* ids of the last ``max_ngram`` positions, the oldest id times
+    ``m[0]`` (``mix_n(t) = XOR_{k=N-n}^{N-1} tok[t-k] * m[N-1-k]``).
     """
 
     layer: int
@@ -66,6 +71,7 @@ class LayerTables:
     primes: np.ndarray
     offsets: np.ndarray
     table_rows: int
+    peft_orders: tuple[int, ...] | None = None
 
     @classmethod
     def build(
@@ -77,9 +83,21 @@ class LayerTables:
         primes: Sequence[int],
         offsets: Sequence[int] | None = None,
         table_rows: int | None = None,
+        *,
+        peft_orders: Sequence[int] | None = None,
     ) -> LayerTables:
         """Validate and freeze one layer's constants (``offsets`` default to prefix sums)."""
-        n_cols = (max_ngram - 1) * heads_per_ngram
+        orders: tuple[int, ...] | None = None
+        if peft_orders is None:
+            n_cols = (max_ngram - 1) * heads_per_ngram
+        else:
+            orders = tuple(_int_list(f"layer {layer} n-gram orders", peft_orders))
+            if not orders or min(orders) < 1 or max(orders) != max_ngram:
+                raise InvalidArgument(
+                    f"layer {layer}: n-gram orders {list(orders)} must be >= 1 with maximum "
+                    f"{max_ngram}"
+                )
+            n_cols = len(orders) * heads_per_ngram
         mult = _int_list(f"layer {layer} multipliers", multipliers)
         prm = _int_list(f"layer {layer} primes", primes)
         if len(mult) != max_ngram:
@@ -90,9 +108,10 @@ class LayerTables:
         if any(not -(1 << 63) <= m <= INT64_MAX for m in mult):
             raise InvalidArgument(f"layer {layer}: multipliers {mult} do not fit in int64")
         if len(prm) != n_cols:
+            n_orders = max_ngram - 1 if orders is None else len(orders)
             raise InvalidArgument(
                 f"layer {layer}: {len(prm)} bucket sizes given, {n_cols} columns "
-                f"({max_ngram - 1} orders x {heads_per_ngram} heads) need {n_cols}"
+                f"({n_orders} orders x {heads_per_ngram} heads) need {n_cols}"
             )
         if any(p <= 0 for p in prm):
             raise InvalidArgument(f"layer {layer}: bucket sizes must be positive, got {prm}")
@@ -125,6 +144,7 @@ class LayerTables:
             primes=readonly_int64(prm),
             offsets=readonly_int64(off),
             table_rows=rows,
+            peft_orders=orders,
         )
 
     @property
