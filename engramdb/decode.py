@@ -134,6 +134,7 @@ class Decoder:
         self.auto_switches = 0
         self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
         self.filled_rows: list[np.ndarray] | None = None  # row ids behind the last fill
+        self.filled_out: np.ndarray | None = None  # the buffer the last fill wrote
         heads = [int(st.n_heads) for st in self._streams]
         self.n_heads = heads[0]
         if any(n != self.n_heads for n in heads):
@@ -303,7 +304,7 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
-        self.filled_rows = self._rows
+        self.filled_rows, self.filled_out = self._rows, out
         store = self._local[0]
         if store is None:
             self.stores[0].gather(r, out2d)
@@ -334,7 +335,7 @@ class Decoder:
         if self._single and self._pending_t is None:
             return self._fill1(out, rows[0])
         check_output(out, self.pending_shape)
-        self.filled_rows = rows
+        self.filled_rows, self.filled_out = rows, out
         n_layers = len(self.stores)
         if n_layers == 1:
             views = [out.reshape(-1, self.row_bytes)]
