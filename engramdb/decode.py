@@ -133,8 +133,9 @@ class Decoder:
         self.auto_checks = 0
         self.auto_switches = 0
         self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
-        self.filled_rows: list[np.ndarray] | None = None  # row ids behind the last fill
-        self.filled_out: np.ndarray | None = None  # the buffer the last fill wrote
+        # Per layer: the row ids behind its last fill and the buffer that fill wrote.
+        self.filled_rows: list[np.ndarray | None] = [None] * len(self.stores)
+        self.filled_out: list[np.ndarray | None] = [None] * len(self.stores)
         heads = [int(st.n_heads) for st in self._streams]
         self.n_heads = heads[0]
         if any(n != self.n_heads for n in heads):
@@ -304,7 +305,7 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
-        self.filled_rows, self.filled_out = self._rows, out
+        self.filled_rows[0], self.filled_out[0] = r, out
         store = self._local[0]
         if store is None:
             self.stores[0].gather(r, out2d)
@@ -324,25 +325,36 @@ class Decoder:
                 store.gather_small(r, out2d)
         return out
 
-    def fill(self, out: np.ndarray) -> np.ndarray:
+    def fill(self, out: np.ndarray, *, layer: int | None = None) -> np.ndarray:
         """Copy the rows of the last `push` (or `prefill`) into ``out`` (writable
         C-contiguous uint8 of `pending_shape`). Waits only for reads still in flight; a
         prefetch still queued is withdrawn and read here. Raises the error of a failed
-        prefetch."""
+        prefetch. ``layer`` fills only that layer's slice of ``out`` (an engine fills each
+        layer's rows right before the layer runs, so later layers' reads overlap more
+        compute)."""
         rows = self._rows
         if rows is None:
             raise InvalidArgument("fill() before push(): no pending step")
         if self._single and self._pending_t is None:
+            if layer is not None and layer != self.layers[0]:
+                raise InvalidArgument(f"layer {layer!r} is not the decoder's {self.layers}")
             return self._fill1(out, rows[0])
         check_output(out, self.pending_shape)
-        self.filled_rows, self.filled_out = rows, out
+        if layer is None:
+            which = range(len(self.stores))
+        elif layer in self.layers:
+            which = range(self.layers.index(layer), self.layers.index(layer) + 1)
+        else:
+            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
         n_layers = len(self.stores)
         if n_layers == 1:
             views = [out.reshape(-1, self.row_bytes)]
         else:
             o = out.reshape(-1, n_layers, self.n_heads * self.row_bytes)
             views = [o[:, i] for i in range(n_layers)]
-        for i, table in enumerate(self.stores):
+        for i in which:
+            table = self.stores[i]
+            self.filled_rows[i], self.filled_out[i] = rows[i], out
             store = self._local[i]
             t = self._tickets[i]
             resident = False

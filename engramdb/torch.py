@@ -205,12 +205,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
     def _prefetched(self, ids: np.ndarray) -> torch.Tensor | None:
         """A view of the decoder's last fill if it holds exactly the rows of ``ids``."""
         dec = self.decoder
-        rows = dec.filled_rows
-        out = dec.filled_out
-        if rows is None or out is None:
-            return None
-        want = rows[self._slot]
-        if want.size != ids.size:
+        want = dec.filled_rows[self._slot]
+        out = dec.filled_out[self._slot]
+        if want is None or out is None or want.size != ids.size:
             return None
         h = self._n_heads
         glob = ids.reshape(-1, h) + self._offsets_np

@@ -177,8 +177,9 @@ def test_auto_keeps_prefetching_a_cold_table_despite_its_own_prefetches(
             if stores[2].counters()["prefetched_gathers"] > g0:
                 # Served from its prefetch: those rows are resident now, so sampling them (what
                 # the read rule's sample did) would call the table resident.
-                rows = (dec.filled_rows or [])[0].reshape(-1)
-                assert dec._rows_resident(stores[2], rows)  # noqa: SLF001
+                rows = dec.filled_rows[0]
+                assert rows is not None
+                assert dec._rows_resident(stores[2], rows.reshape(-1))  # noqa: SLF001
                 served += 1
         assert served > 0
         # The new rows of each step were cold when judged (random rows of a cold table),
@@ -263,6 +264,21 @@ def test_prefill_equals_pushing_one_by_one(
                     assert np.array_equal(
                         step[:, i] if batch else step[i], want if batch else want[0]
                     )
+    with engramdb.open(tmp_path) as db:  # one layer at a time, right before it runs
+        dec = Decoder({2: db["ple2"], 5: db["ple5"]}, h, batch=batch)
+        out = np.zeros(dec.out_shape, np.uint8)
+        dec.push(toks[:, 0] if batch else int(toks[0, 0]))
+        dec.fill(out, layer=5)
+        assert dec.filled_rows[0] is None and dec.filled_rows[1] is not None
+        lead = (slice(None),) if batch else ()
+        assert not out[(*lead, 0)].any(), "layer 2's slice is not written yet"
+        want5 = fulls[5][h.row_ids(toks[:, :1], layer=5)[:, -1]]
+        assert np.array_equal(out[(*lead, 1)], want5 if batch else want5[0])
+        dec.fill(out, layer=2)
+        want2 = fulls[2][h.row_ids(toks[:, :1], layer=2)[:, -1]]
+        assert np.array_equal(out[(*lead, 0)], want2 if batch else want2[0])
+        with pytest.raises(InvalidArgument):
+            dec.fill(out, layer=7)
     with engramdb.open(tmp_path) as db:
         one = Decoder(db["ple2"], h, layer=2)
         one.prefill(toks[0, :5])

@@ -200,3 +200,28 @@ def test_bad_configs_raise_typed_errors(peft: Any) -> None:
     with pytest.raises(InvalidArgument, match="compression map"):
         # compression on, no map: only compressed ids can be hashed
         keygen.hasher("engram-peft", base, compressed_pad_id=7).row_ids([[1, 2]])
+
+
+def test_db_stream_drives_an_engram_peft_table_bit_identically(peft: Any, tmp_path: Path) -> None:
+    """`db.stream` with the engram-peft kind yields exactly engram-peft's own lookup:
+    ``MultiHeadEmbedding(hash(tokens))`` of the real module, over a chunked corpus."""
+    import engramdb
+
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer_mod = pytest.importorskip("engram_peft.layer")
+    cfg = dict(CONFIGS[0])
+    ref, ours = _pair(peft, **cfg)
+    primes = [p for head in ref.prime_tables[14] for p in head]
+    torch.manual_seed(0)
+    mhe = layer_mod.MultiHeadEmbedding(primes, 4, sparse=False)
+    w = mhe.embedding.weight.detach().contiguous()
+    engramdb.build(tmp_path, "l14", 16, [w.view(torch.uint8).numpy()], heads=primes, dtype="f32")
+    corpus = np.random.default_rng(8).integers(0, 50_000, size=(3, 500))
+    with engramdb.open(tmp_path) as db:
+        got = [e.copy() for _, e in db.stream(corpus, preset=ours, layer=14, batch_tokens=700)]
+    e_t = np.concatenate(got).reshape(3, 500, len(primes), 16)
+    with torch.no_grad():
+        want = mhe(torch.from_numpy(ref.hash(corpus)[14])).numpy()
+    assert np.array_equal(e_t.view(np.float32).reshape(want.shape), want)
