@@ -307,13 +307,16 @@ def main() -> None:
                                         print(f"  warning: {left:.0%} of a table still resident")
                                 else:
                                     s.populate()
-                            toks, pre_s, dec_s, _ = decode_disk(
+                            toks, pre_s, dec_s, dec = decode_disk(
                                 model, cfg, h, stores, prompt, args.steps, pf
                             )
+                            share = dec.prefetched / ((args.steps + 1) * len(dec.layers))
+                            arms.setdefault(arm, {"prefill": [], "decode": [], "pf": []})
+                            arms[arm]["pf"].append(share)
                         if not np.array_equal(toks, ref_toks):
                             ok = False
                             print(f"  B={b} {arm}: TOKENS DIFFER from the in-RAM run")
-                        a = arms.setdefault(arm, {"prefill": [], "decode": []})
+                        a = arms.setdefault(arm, {"prefill": [], "decode": [], "pf": []})
                         a["prefill"].append(pre_s)
                         a["decode"].append(dec_s / args.steps)
                 ram_step = median(arms["ram"]["decode"])
@@ -331,9 +334,10 @@ def main() -> None:
                         "prefill_ms": pre_s * 1e3,
                         "decode_vs_ram": ram_step / step_s,
                         "prefill_vs_ram": pre_s / ram_pre,
+                        "prefetched_share": median(a["pf"]),
                     }
                     print(
-                        f"  {arm:9s} step {step_s * 1e3:6.2f} ms  decode speed vs RAM {ram_step / step_s:5.3f}x  prefill {pre_s * 1e3:6.1f} ms = {pre_s / ram_pre:4.2f}x RAM"
+                        f"  {arm:9s} step {step_s * 1e3:6.2f} ms  decode speed vs RAM {ram_step / step_s:5.3f}x  prefill {pre_s * 1e3:6.1f} ms = {pre_s / ram_pre:4.2f}x RAM  prefetched {median(a['pf']):.0%} of steps"
                     )
                 for state in ("cold", "warm"):
                     best = max(
