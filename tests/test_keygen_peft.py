@@ -225,3 +225,34 @@ def test_db_stream_drives_an_engram_peft_table_bit_identically(peft: Any, tmp_pa
     with torch.no_grad():
         want = mhe(torch.from_numpy(ref.hash(corpus)[14])).numpy()
     assert np.array_equal(e_t.view(np.float32).reshape(want.shape), want)
+
+
+def test_engramdb_index_takes_an_engram_peft_config_file(peft: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    import engramdb
+    from engramdb.cli import main
+    from engramdb.read.index import load_index
+
+    doc = dict(CONFIGS[2])
+    ref, ours = _pair(peft, **doc)
+    doc["target_layers"] = doc.pop("layer_ids")
+    doc["enable_tokenizer_compression"] = False
+    conf = tmp_path / "config.json"
+    conf.write_text(json.dumps(doc))
+    db = tmp_path / "db"
+    engramdb.build(
+        db, "t", 8, [np.zeros((ours.table_rows(9), 8), np.uint8)], heads=ours.primes(9).tolist()
+    )
+    corpus = np.random.default_rng(4).integers(0, 1000, (3, 200))
+    np.save(tmp_path / "c.npy", corpus)
+    res = CliRunner().invoke(
+        main, ["index", str(tmp_path / "c.npy"), str(db), "--preset", str(conf), "--layer", "9"]
+    )
+    assert res.exit_code == 0, res.output
+    ix = load_index(db, "t")
+    offsets = ours.offsets(9)
+    want = np.unique(ref.hash(corpus)[9] + offsets)
+    assert np.array_equal(np.sort(ix.hot_rows), want)  # every touched row, from engram-peft's ids
+    bad = CliRunner().invoke(main, ["index", str(tmp_path / "c.npy"), str(db), "--preset", "nope"])
+    assert bad.exit_code != 0 and "neither a preset" in bad.output
