@@ -57,7 +57,8 @@ class Decoder:
     ``auto_recheck_s`` seconds it checks (``mincore``, ~2 us a page) a few of the rows a push
     has just hashed, before submitting them; all resident turns prefetch off, any miss on.
     While off, a fill the read rule saw page-faulting (it leaves its mapped state or marks it
-    suspect) turns prefetch back on at the next push. Its own prefetched fills never count:
+    suspect) makes the next push check at once (a slow gather on a busy machine then costs a
+    check, not a switch). Its own prefetched fills never count:
     they read from the mapping directly and do not move the read rule. ``auto_checks`` /
     ``auto_switches`` count the checks and the decisions that changed.
 
@@ -201,11 +202,14 @@ class Decoder:
             return not store.mapped_state()
         on = self._auto_on[i]
         now = time.monotonic()
-        if on is False and not store.mapped_state() and store.resident_state():
-            decided = True  # an unprefetched fill was slow: the read rule suspects faults
-        elif on is False and self._auto_was_mapped[i] and not store.resident_state():
-            decided = True  # the read rule found misses and left its mapped state
-        elif on is None or now - self._auto_at[i] >= self.auto_recheck_s:
+        # While off, the read rule's view of the fills is a hint to look again now: a slow
+        # gather (it suspects faults, or a busy machine) or misses that made it leave its
+        # mapped state. The decision itself always comes from the rows just hashed.
+        hint = on is False and (
+            (store.resident_state() and not store.mapped_state())
+            or (self._auto_was_mapped[i] and not store.resident_state())
+        )
+        if hint or on is None or now - self._auto_at[i] >= self.auto_recheck_s:
             self._auto_at[i] = now
             decided = not self._rows_resident(store, flat)
         else:

@@ -228,8 +228,19 @@ def test_auto_turns_prefetch_back_on_when_the_read_rule_sees_faults(
         auto = s.backend
         assert auto is not None
         auto.feedback(auto.mapped, 16, 1.0)  # what a page-faulting mapped gather reports
+        checks = dec.auto_checks
         dec.push(3)
-        assert dec.prefetched == 1, "a suspected fault turns prefetch on"
+        assert dec.auto_checks == checks + 1, "a suspected fault makes the push check at once"
+        assert dec.prefetched == 0, "the rows are resident: a slow gather alone switches nothing"
+        dec.fill(out)
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(tmp_path / sh.path)
+        auto.feedback(auto.mapped, 16, 1.0)
+        dec.push(4)
+        if dec.prefetched == 0:
+            pytest.skip("this filesystem does not drop cached pages on request")
+        assert dec.prefetched == 1, "evicted rows: the immediate check turns prefetch on"
         dec.fill(out)
 
 
