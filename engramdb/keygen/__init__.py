@@ -10,7 +10,8 @@ The rules and file formats are in ``docs/keygen.md``.
 
 from __future__ import annotations
 
-from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, column_mixes, kernel_stats
+from engramdb.keygen._core import BLOCK_TOKENS, Hasher, LayerTables, kernel_stats
+from engramdb.keygen._tables import column_mixes
 from engramdb.keygen.kinds import DeepSeekHasher, GemmaHasher, QwenHasher
 from engramdb.keygen.peft import PeftHasher, build_peft
 from engramdb.keygen.presets import KINDS, PRESETS, as_hasher, from_config_file, hasher, preset

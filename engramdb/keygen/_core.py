@@ -40,7 +40,6 @@ __all__ = [
     "as_mask",
     "as_token_array",
     "check_range",
-    "column_mixes",
     "contexts_ext",
     "hash_ext",
     "hash_keys_into",
@@ -157,34 +156,6 @@ def _hash_block(
         np.copyto(out_cols_first, shaped)
     else:
         np.add(shaped, lt.offsets.reshape((-1,) + (1,) * len(shape)), out=out_cols_first)
-
-
-def column_mixes(lt: LayerTables, keys2: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """``(column, mix)`` for every column of ``lt`` over contexts ``keys2`` (``[M, N]``, as
-    `Hasher.keys`), columns ascending: ``floor_mod(mix, primes[column])`` is the column's
-    local id. The heads of one order share (and must not modify) one ``mix`` array. For
-    callers that reduce one column at a time (the corpus index counts rows per head)."""
-    n_max = lt.max_ngram
-    heads = lt.heads_per_ngram
-    mult = lt.multipliers
-    if lt.peft_orders is None:
-        seq = [keys2[:, k] for k in range(n_max)]
-        groups = {k: [k - 1] for k in range(1, n_max)}
-    else:
-        seq = [keys2[:, n_max - 1 - j] for j in range(n_max)]
-        groups = {j: [g for g, n in enumerate(lt.peft_orders) if n == j + 1] for j in range(n_max)}
-    mixes: dict[int, np.ndarray] = {}
-    acc = np.multiply(seq[0], mult[0])
-    tmp = np.empty_like(acc)
-    for j in range(n_max):
-        if j:
-            np.multiply(seq[j], mult[j], out=tmp)
-            np.bitwise_xor(acc, tmp, out=acc)
-        for g in groups.get(j, []):
-            mixes[g] = acc.copy()
-    for g in sorted(mixes):
-        for col in range(g * heads, (g + 1) * heads):
-            yield col, mixes[g]
 
 
 def hash_ext(

@@ -6,7 +6,7 @@ The bottom of keygen: `_core` (the kernel and `Hasher`), `stream` (`KeyStream`),
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ __all__ = [
     "as_mask",
     "as_token_array",
     "check_range",
+    "column_mixes",
     "prepare_out",
     "readonly_int64",
     "to_int64",
@@ -151,6 +152,34 @@ class LayerTables:
     def n_heads(self) -> int:
         """Row ids per token: one per column, ``(max_ngram - 1) * heads_per_ngram`` if hashed."""
         return len(self.primes)
+
+
+def column_mixes(lt: LayerTables, keys2: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(column, mix)`` for every column of ``lt`` over contexts ``keys2`` (``[M, N]``, as
+    `Hasher.keys`), columns ascending: ``floor_mod(mix, primes[column])`` is the column's
+    local id. The heads of one order share (and must not modify) one ``mix`` array. For
+    callers that reduce one column at a time (the corpus index counts rows per head)."""
+    n_max = lt.max_ngram
+    heads = lt.heads_per_ngram
+    mult = lt.multipliers
+    if lt.peft_orders is None:
+        seq = [keys2[:, k] for k in range(n_max)]
+        groups = {k: [k - 1] for k in range(1, n_max)}
+    else:
+        seq = [keys2[:, n_max - 1 - j] for j in range(n_max)]
+        groups = {j: [g for g, n in enumerate(lt.peft_orders) if n == j + 1] for j in range(n_max)}
+    mixes: dict[int, np.ndarray] = {}
+    acc = np.multiply(seq[0], mult[0])
+    tmp = np.empty_like(acc)
+    for j in range(n_max):
+        if j:
+            np.multiply(seq[j], mult[j], out=tmp)
+            np.bitwise_xor(acc, tmp, out=acc)
+        for g in groups.get(j, []):
+            mixes[g] = acc.copy()
+    for g in sorted(mixes):
+        for col in range(g * heads, (g + 1) * heads):
+            yield col, mixes[g]
 
 
 # --- input checks ---------------------------------------------------------------------------
