@@ -13,6 +13,9 @@ buffer, waiting only for reads still in flight::
         ...                          # layers before the table's layer
         dec.fill(out)                # [B, H, row_bytes]
 
+A prompt goes in at once: `Decoder.prefill` hashes all its tokens in one batched pass and
+submits one prefetch per layer; the next `fill` takes ``[T, H, row_bytes]`` (``[B, T, ...]``).
+
 Several layers (DeepSeek Engram: a table per layer) use a `{layer: store}` mapping and fill
 ``[B, L, H, row_bytes]``. Any `RowTable` works (a `RemoteStore`, a `MooncakeTable`): tables
 that are not local (`engramdb.read.table.LocalTable`) have no prefetcher, so their rows are
@@ -21,12 +24,14 @@ read at `fill` through `RowTable.gather`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from engramdb.errors import InvalidArgument, ShapeMismatch
+from engramdb.io.residency import resident_count
 from engramdb.keygen import preset as keygen_preset
 from engramdb.read.prefetch import QUEUED, Ticket
 from engramdb.read.table import LocalTable
@@ -42,10 +47,20 @@ class Decoder:
     single store when the hasher has several. ``batch``: ``None`` for one sequence (push a
     scalar token, fill ``[H, row_bytes]``) or ``B`` (push ``[B]`` tokens, fill
     ``[B, H, row_bytes]``, or ``[B, L, H, row_bytes]`` with several layers). ``prefetch``:
-    ``"auto"`` (default) starts background reads at `push` unless the table is served from
-    resident memory (the store's read rule is in its mapped state: a thread hand-off would
-    cost more than the gather); ``True`` always, ``False`` never (read at `fill`). Tables
-    that are not local are read at `fill` (``prefetch=True`` refuses them).
+    ``"auto"`` (default) starts background reads at `push` unless the table is resident (a
+    thread hand-off would cost more than the gather); ``True`` always, ``False`` never (read
+    at `fill`). Tables that are not local are read at `fill` (``prefetch=True`` refuses them).
+    ``compressed``: the pushed ids are already tokenizer-compressed (DeepSeek kinds and
+    engram-peft without a token map).
+
+    The ``auto`` rule judges residency from rows the decoder has *not* prefetched: every
+    ``auto_recheck_s`` seconds it checks (``mincore``, ~2 us a page) a few of the rows a push
+    has just hashed, before submitting them; all resident turns prefetch off, any miss on.
+    While off, a fill the read rule saw page-faulting (it leaves its mapped state or marks it
+    suspect) makes the next push check at once (a slow gather on a busy machine then costs a
+    check, not a switch). Its own prefetched fills never count:
+    they read from the mapping directly and do not move the read rule. ``auto_checks`` /
+    ``auto_switches`` count the checks and the decisions that changed.
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
@@ -59,6 +74,8 @@ class Decoder:
         layer: int | None = None,
         batch: int | None = None,
         prefetch: bool | str = "auto",
+        compressed: bool = False,
+        auto_recheck_s: float = 0.1,
     ):
         h = keygen_preset(preset) if isinstance(preset, str) else preset
         if isinstance(stores, RowTable):
@@ -104,9 +121,23 @@ class Decoder:
                     f"table {s.name!r} has {s.n_rows:,} rows; layer {lay} of the hasher "
                     f"addresses {need:,}"
                 )
-        self._streams = [h.stream(layer=lay) for lay in self.layers]
-        zero = np.zeros(1, np.int64)
-        heads = [int(h.row_ids(zero, layer=lay).shape[-1]) for lay in self.layers]
+        self.compressed = bool(compressed)
+        self._streams = [h.stream(layer=lay, compressed=self.compressed) for lay in self.layers]
+        # The auto rule, per layer: None (not judged yet), True (prefetch), False (resident).
+        self.auto_recheck_s = float(auto_recheck_s)
+        self._auto_on: list[bool | None] = [None] * len(self.stores)
+        self._auto_at = [-float("inf")] * len(self.stores)
+        self._auto_own = [
+            s is not None and s.backend_name == "auto" and s.cache is None for s in self._local
+        ]
+        self._auto_was_mapped = [False] * len(self.stores)
+        self.auto_checks = 0
+        self.auto_switches = 0
+        self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
+        # Per layer: the row ids behind its last fill and the buffer that fill wrote.
+        self.filled_rows: list[np.ndarray | None] = [None] * len(self.stores)
+        self.filled_out: list[np.ndarray | None] = [None] * len(self.stores)
+        heads = [int(st.n_heads) for st in self._streams]
         self.n_heads = heads[0]
         if any(n != self.n_heads for n in heads):
             raise InvalidArgument("the layers have different head counts")
@@ -120,12 +151,87 @@ class Decoder:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        """Shape `fill` writes: ``[H, rb]``, ``[B, H, rb]`` or (several layers)
+        """Shape `fill` writes for a step: ``[H, rb]``, ``[B, H, rb]`` or (several layers)
         ``[B, L, H, rb]`` (``[L, H, rb]`` for one sequence)."""
         lead: tuple[int, ...] = () if self.batch is None else (self.batch,)
         if len(self.stores) > 1:
             lead = (*lead, len(self.stores))
         return (*lead, self.n_heads, self.row_bytes)
+
+    def prefill_shape(self, n_tokens: int) -> tuple[int, ...]:
+        """Shape `fill` writes after ``prefill`` of ``n_tokens`` tokens per sequence: the step
+        shape with ``T`` after the batch axis (``[T, H, rb]``, ``[B, T, L, H, rb]``)."""
+        lead: tuple[int, ...] = (int(n_tokens),)
+        if self.batch is not None:
+            lead = (self.batch, *lead)
+        if len(self.stores) > 1:
+            lead = (*lead, len(self.stores))
+        return (*lead, self.n_heads, self.row_bytes)
+
+    @property
+    def pending_shape(self) -> tuple[int, ...]:
+        """Shape the next `fill` takes: `out_shape` after a push, `prefill_shape` after a
+        prefill."""
+        t = self._pending_t
+        return self.out_shape if t is None else self.prefill_shape(t)
+
+    # -- the auto rule -------------------------------------------------------------------------
+    def _rows_resident(self, store: LocalTable, flat: np.ndarray) -> bool:
+        """Whether a few evenly spread rows of ``flat`` sit on resident pages (``mincore``)."""
+        n = flat.size
+        if n == 0:
+            return True
+        k = min(n, 8)
+        arr = store.array()
+        base, rb = arr.ctypes.data, self.row_bytes
+        pick = flat[[i * (n - 1) // max(1, k - 1) for i in range(k)]].tolist()
+        self.auto_checks += 1
+        try:
+            return resident_count([base + r * rb for r in pick]) == k
+        except OSError:  # the mapping is gone (closed table): read at fill
+            return False
+
+    def _want(self, i: int, store: LocalTable | None, flat: np.ndarray) -> bool:
+        """Whether layer ``i``'s rows ``flat`` (just hashed, not yet read) get a prefetch."""
+        pf = self.prefetch
+        if store is None or pf is False:
+            return False
+        if pf is True:
+            return True
+        if not self._auto_own[i]:  # a fixed backend or a RAM tier: the store's own rule
+            return not store.mapped_state()
+        on = self._auto_on[i]
+        now = time.monotonic()
+        # While off, the read rule's view of the fills is a hint to look again now: a slow
+        # gather (it suspects faults, or a busy machine) or misses that made it leave its
+        # mapped state. The decision itself always comes from the rows just hashed.
+        hint = on is False and (
+            (store.resident_state() and not store.mapped_state())
+            or (self._auto_was_mapped[i] and not store.resident_state())
+        )
+        if hint or on is None or now - self._auto_at[i] >= self.auto_recheck_s:
+            self._auto_at[i] = now
+            decided = not self._rows_resident(store, flat)
+        else:
+            decided = on
+        if on is not None and decided != on:
+            self.auto_switches += 1
+        self._auto_on[i] = decided
+        self._auto_was_mapped[i] = store.resident_state()
+        return decided
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _submit(self, i: int, flat: np.ndarray) -> None:
+        old = self._tickets[i]
+        if old is not None and old.state == QUEUED:
+            old.cancel()
+        store = self._local[i]
+        if self._want(i, store, flat):
+            assert store is not None
+            self._tickets[i] = store.prefetcher.submit_trusted(flat)
+            self.prefetched += 1
+        else:
+            self._tickets[i] = None
 
     def push(self, token_ids: Any) -> list[np.ndarray]:
         """Take the new token of each sequence (a scalar, or ``[B]``), compute its row ids
@@ -153,20 +259,9 @@ class Decoder:
             if self.batch is not None:
                 r = r.reshape(self.batch, self.n_heads)
             rows.append(r)
-            old = self._tickets[i]
-            if old is not None and old.state == QUEUED:
-                old.cancel()
-            store = self._local[i]
-            want = store is not None and (
-                self.prefetch is True or (self.prefetch == "auto" and not store.mapped_state())
-            )
-            if want:
-                assert store is not None
-                self._tickets[i] = store.prefetcher.submit_trusted(r.reshape(-1))
-                self.prefetched += 1
-            else:
-                self._tickets[i] = None
+            self._submit(i, r.reshape(-1))
         self._rows = rows
+        self._pending_t = None
         self.steps += 1
         return rows
 
@@ -178,18 +273,33 @@ class Decoder:
                 )
             token_ids = int(token_ids)
         r = self._streams[0].push(token_ids)
-        tickets = self._tickets
-        old = tickets[0]
-        if old is not None and old.state == QUEUED:
-            old.cancel()
-        store = self._local[0]
-        pf = self.prefetch
-        if store is not None and (pf is True or (pf == "auto" and not store.mapped_state())):
-            tickets[0] = store.prefetcher.submit_trusted(r)
-            self.prefetched += 1
-        else:
-            tickets[0] = None
+        self._submit(0, r)
         rows = self._rows = [r]
+        self._pending_t = None
+        self.steps += 1
+        return rows
+
+    def prefill(self, token_ids: Any) -> list[np.ndarray]:
+        """Take a prompt (``[T]`` for one sequence, ``[B, T]`` for the batch) at once: one
+        batched keygen pass and one prefetch per layer for all ``T`` positions (the look-back
+        continues from earlier pushes, so prefill then push equals pushing one by one).
+        Returns the row ids per layer (``[T, H]`` / ``[B, T, H]``); the next `fill` takes
+        `prefill_shape` (``T``).``"""
+        arr = np.asarray(token_ids)
+        want = 1 if self.batch is None else 2
+        if arr.ndim != want or (self.batch is not None and arr.shape[0] != self.batch):
+            lead = "[T]" if self.batch is None else f"[{self.batch}, T]"
+            raise ShapeMismatch(f"prefill takes {lead} tokens, got shape {arr.shape}")
+        n_tok = int(arr.shape[-1])
+        if n_tok == 0:
+            raise ShapeMismatch("prefill of zero tokens")
+        rows = []
+        for i, st in enumerate(self._streams):
+            r = st.push(arr)  # [T, H] or [B, T, H]
+            rows.append(r)
+            self._submit(i, r.reshape(-1))
+        self._rows = rows
+        self._pending_t = n_tok
         self.steps += 1
         return rows
 
@@ -199,6 +309,7 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
+        self.filled_rows[0], self.filled_out[0] = r, out
         store = self._local[0]
         if store is None:
             self.stores[0].gather(r, out2d)
@@ -218,23 +329,36 @@ class Decoder:
                 store.gather_small(r, out2d)
         return out
 
-    def fill(self, out: np.ndarray) -> np.ndarray:
-        """Copy the rows of the last `push` into ``out`` (writable C-contiguous uint8 of
-        `out_shape`). Waits only for reads still in flight; a prefetch still queued is
-        withdrawn and read here. Raises the error of a failed prefetch."""
+    def fill(self, out: np.ndarray, *, layer: int | None = None) -> np.ndarray:
+        """Copy the rows of the last `push` (or `prefill`) into ``out`` (writable
+        C-contiguous uint8 of `pending_shape`). Waits only for reads still in flight; a
+        prefetch still queued is withdrawn and read here. Raises the error of a failed
+        prefetch. ``layer`` fills only that layer's slice of ``out`` (an engine fills each
+        layer's rows right before the layer runs, so later layers' reads overlap more
+        compute)."""
         rows = self._rows
         if rows is None:
             raise InvalidArgument("fill() before push(): no pending step")
-        if self._single:
+        if self._single and self._pending_t is None:
+            if layer is not None and layer != self.layers[0]:
+                raise InvalidArgument(f"layer {layer!r} is not the decoder's {self.layers}")
             return self._fill1(out, rows[0])
-        check_output(out, self.out_shape)
+        check_output(out, self.pending_shape)
+        if layer is None:
+            which = range(len(self.stores))
+        elif layer in self.layers:
+            which = range(self.layers.index(layer), self.layers.index(layer) + 1)
+        else:
+            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
         n_layers = len(self.stores)
         if n_layers == 1:
             views = [out.reshape(-1, self.row_bytes)]
         else:
             o = out.reshape(-1, n_layers, self.n_heads * self.row_bytes)
             views = [o[:, i] for i in range(n_layers)]
-        for i, table in enumerate(self.stores):
+        for i in which:
+            table = self.stores[i]
+            self.filled_rows[i], self.filled_out[i] = rows[i], out
             store = self._local[i]
             t = self._tickets[i]
             resident = False
@@ -248,21 +372,30 @@ class Decoder:
                     resident = store.prefetcher.target == "page_cache"
             v = views[i]
             flat = rows[i].reshape(-1)
+            contiguous = v.flags.c_contiguous
             if store is None:  # not a local table: its own read path
-                if v.flags.c_contiguous:
+                if contiguous:
                     table.gather(flat, v.reshape(-1, self.row_bytes))
                 else:
                     tmp = np.empty((flat.size, self.row_bytes), dtype=np.uint8)
                     table.gather(flat, tmp)
                     v[...] = tmp.reshape(v.shape)
-            elif resident and v.flags.c_contiguous:
-                store.gather_resident(flat, v.reshape(-1, self.row_bytes))
-            elif v.flags.c_contiguous:
-                store.gather_small(flat, v.reshape(-1, self.row_bytes))
-            else:  # several layers and sequences: layer i's rows are strided in `out`
-                tmp = store.scratch("decode", flat.size * self.row_bytes)
-                store.gather(flat, tmp.reshape(-1, self.row_bytes))
-                v[...] = tmp.reshape(v.shape)
+                continue
+            dest = v.reshape(-1, self.row_bytes) if contiguous else None
+            if dest is None:  # several layers and sequences: layer i's rows are strided
+                dest = store.scratch("decode", flat.size * self.row_bytes).reshape(
+                    -1, self.row_bytes
+                )
+            if resident:
+                # Never through the read rule: its sample would see the rows this decoder
+                # just prefetched and call a cold table resident.
+                store.gather_resident(flat, dest)
+            elif flat.size < 256:
+                store.gather_small(flat, dest)
+            else:
+                store.gather(flat, dest)
+            if not contiguous:
+                v[...] = dest.reshape(v.shape)
         return out
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:
@@ -279,3 +412,4 @@ class Decoder:
                 t.cancel()
         self._tickets = [None] * len(self.stores)
         self._rows = None
+        self._pending_t = None

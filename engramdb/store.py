@@ -236,8 +236,11 @@ class Store(LocalTable):
         }
 
     def stats(self) -> dict[str, Any]:
-        """Counters: calls and rows served, the backend's requests/bytes/syscalls (and for
-        ``auto`` which path served how many batches), and the RAM tier's hits/misses."""
+        """Counters: calls and rows served, the backend's requests, payload ``bytes``,
+        ``device_bytes`` (asked of the kernel: aligned spans for O_DIRECT) and syscalls (for
+        ``auto``: its buffered and O_DIRECT paths summed, ``io_paths`` per path including the
+        mapping, ``choices`` which path served how many batches), and the RAM tier's
+        hits/misses."""
         out: dict[str, Any] = {
             "table": self.name,
             "backend": self.backend_name,
@@ -245,13 +248,17 @@ class Store(LocalTable):
         }
         b = self.backend
         if b is not None:
-            out["io"] = b.stats.as_dict()
+            # auto: its syscall paths (buffered and O_DIRECT) together; "io_paths" adds the
+            # gathers from the mapping, path by path.
+            out["io"] = b.total_stats(mapped=False).as_dict()
             choices = getattr(b, "choices", None)
             if choices is not None:  # auto: which path served how many batches
                 out["choices"] = dict(choices)
-                cold = getattr(b, "cold", None)
-                if cold is not None:
-                    out["io"] = cold.stats.as_dict()
+                paths: dict[str, Any] = {}
+                for part in b.parts():
+                    label = "io_uring_direct" if part.direct else part.name
+                    paths[label] = part.total_stats().as_dict()
+                out["io_paths"] = paths
         sp = self.split_decision
         out["gather_split"] = {
             "split": sp.split,

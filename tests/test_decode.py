@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import engramdb
 from engramdb import keygen
 from engramdb.decode import Decoder
 from engramdb.errors import InvalidArgument, ReadError, ShapeMismatch
+from engramdb.testing.pages import drop_mapped_pages, evict, resident_pages
 from engramdb.testing.tables import MemoryTable
 
 EOS = 248_044
@@ -135,39 +137,206 @@ def test_a_failed_prefetch_raises_at_fill(tmp_path: Path, monkeypatch: pytest.Mo
             dec.fill(np.empty(dec.out_shape, np.uint8))
 
 
-def test_auto_prefetch_follows_the_read_rule(tmp_path: Path, rng: np.random.Generator) -> None:
-    """`prefetch="auto"` reads ahead while the table is not known resident, not once it is."""
-    import time
+def _make_cold(db_path: Path, *stores: Any) -> bool:
+    """Drop the tables' pages (our mappings, then the page cache); False if the filesystem
+    keeps them."""
+    for s in stores:
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(db_path / sh.path)
+    probe = stores[0].array()
+    addrs = probe.ctypes.data + np.arange(0, probe.shape[0], 97) * probe.shape[1]
+    return bool(resident_pages(addrs).mean() < 0.5)
 
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_auto_keeps_prefetching_a_cold_table_despite_its_own_prefetches(
+    tmp_path: Path, rng: np.random.Generator, batch: int | None
+) -> None:
+    """The auto rule judges residency from rows it has not prefetched: its own prefetched
+    fills (which leave those rows resident, and which used to flip the read rule into its
+    mapped state) never switch prefetch off on a cold table; a resident table does."""
+    h = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {lay: build_for(tmp_path, h, lay, f"ple{lay}", lay) for lay in (2, 5)}
+    n = 30
+    toks = tokens(rng, (3 if batch else 1, n))
+    # No background warm: the table must stay cold for the test (the memory policy would
+    # otherwise read it in sequentially after the first cold read, as it should).
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        stores = {2: db["ple2"], 5: db["ple5"]}
+        if not _make_cold(tmp_path, *stores.values()):
+            pytest.skip("this filesystem does not drop cached pages on request")
+        dec = Decoder(stores, h, batch=batch, auto_recheck_s=0.0)  # judge every step
+        out = np.empty(dec.out_shape, np.uint8)
+        served = 0
+        for t in range(n):
+            g0 = stores[2].counters()["prefetched_gathers"]
+            dec.push(toks[:, t] if batch else int(toks[0, t]))
+            dec.fill(out)
+            for i, lay in enumerate((2, 5)):
+                want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]
+                assert np.array_equal(out[:, i] if batch else out[i], want if batch else want[0])
+            if stores[2].counters()["prefetched_gathers"] > g0:
+                # Served from its prefetch: those rows are resident now, so sampling them (what
+                # the read rule's sample did) would call the table resident.
+                rows = dec.filled_rows[0]
+                assert rows is not None
+                assert dec._rows_resident(stores[2], rows.reshape(-1))  # noqa: SLF001
+                served += 1
+        assert served > 0
+        # The new rows of each step were cold when judged (random rows of a cold table),
+        # so every step of every layer prefetched.
+        assert dec.prefetched == 2 * n
+        assert dec.auto_checks >= 2 * n
+        assert all(s.counters()["prefetched_gathers"] > 0 for s in stores.values())
+        for s in stores.values():
+            s.populate()
+        before = dec.prefetched
+        quiet = 0
+        for t in range(n):
+            b0 = dec.prefetched
+            dec.push(toks[:, t] if batch else int(toks[0, t]))
+            dec.fill(out)
+            quiet += dec.prefetched == b0
+        # (This VM may reclaim idle pages on its own; most steps find the rows resident.)
+        assert quiet >= n // 2, "a resident table is read without a thread hand-off"
+        assert dec.prefetched - before <= 2 * n - quiet
+
+
+def test_auto_turns_prefetch_back_on_when_the_read_rule_sees_faults(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
     h = small_qwen()
-    full = build_for(tmp_path, h, 2, "ple", 5)
-    toks = tokens(rng, (40,))
+    build_for(tmp_path, h, 2, "ple", 5)
     with engramdb.open(tmp_path) as db:
         s = db["ple"]
-        dec = Decoder(s, h)  # a fresh store has not seen the table resident yet
-        out = np.empty(dec.out_shape, np.uint8)
-        dec.push(int(toks[0]))
-        assert dec.prefetched == 1
-        dec.fill(out)
-        assert np.array_equal(out, full[h.row_ids(toks[:1], layer=2)[0]])
         s.populate()
-        time.sleep(0.3)  # the rule re-samples a cold-state batch after 0.25 s
-        s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
-        # Each step reads ahead exactly when the rule is not in its mapped state. (This VM
-        # reclaims idle page-cache pages on its own, and a slow step makes the rule check
-        # again, so which steps are resident is not fixed; the coupling is.)
-        quiet = 0
-        for t in toks[1:]:
-            mapped = s.mapped_state()
-            before = dec.prefetched
-            dec.push(int(t))
-            assert (dec.prefetched > before) == (not mapped), "prefetch follows the read rule"
-            quiet += mapped
+        dec = Decoder(s, h, auto_recheck_s=3600.0)  # judged once, then only by the trigger
+        out = np.empty(dec.out_shape, np.uint8)
+        dec.push(1)
+        dec.fill(out)
+        if dec.prefetched:
+            pytest.skip("the populated table was not resident (memory pressure)")
+        for _ in range(20):  # the rule goes mapped (a busy machine may make it suspect)
+            s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
+            if s.mapped_state():
+                break
+            time.sleep(0.3)
+        else:
+            pytest.skip("the read rule did not reach its mapped state")
+        dec.push(2)
+        assert dec.prefetched == 0
+        dec.fill(out)
+        auto = s.backend
+        assert auto is not None
+        auto.feedback(auto.mapped, 16, 1.0)  # what a page-faulting mapped gather reports
+        checks = dec.auto_checks
+        dec.push(3)
+        assert dec.auto_checks == checks + 1, "a suspected fault makes the push check at once"
+        assert dec.prefetched == 0, "the rows are resident: a slow gather alone switches nothing"
+        dec.fill(out)
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(tmp_path / sh.path)
+        auto.feedback(auto.mapped, 16, 1.0)
+        dec.push(4)
+        if dec.prefetched == 0:
+            pytest.skip("this filesystem does not drop cached pages on request")
+        assert dec.prefetched == 1, "evicted rows: the immediate check turns prefetch on"
+        dec.fill(out)
+
+
+@pytest.mark.parametrize("batch", [None, 4])
+def test_prefill_equals_pushing_one_by_one(
+    tmp_path: Path, rng: np.random.Generator, batch: int | None
+) -> None:
+    h = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {lay: build_for(tmp_path, h, lay, f"ple{lay}", lay) for lay in (2, 5)}
+    toks = tokens(rng, (batch or 1, 40))
+    with engramdb.open(tmp_path) as db:
+        stores = {2: db["ple2"], 5: db["ple5"]}
+        for prefetch in (True, False, "auto"):
+            dec = Decoder(stores, h, batch=batch, prefetch=prefetch)
+            prompt = toks[:, :32] if batch else toks[0, :32]
+            rows = dec.prefill(prompt)
+            assert dec.pending_shape == dec.prefill_shape(32)
+            out = np.empty(dec.pending_shape, np.uint8)
             dec.fill(out)
-            while s.prefetcher.busy:  # no read of this step may move the rule meanwhile
-                time.sleep(0.001)
-        assert quiet >= 1, "resident steps make no thread hand-off"
-        assert s.stats()["small_gathers"] > 0
+            for i, lay in enumerate((2, 5)):
+                full_rows = h.row_ids(toks, layer=lay)  # [B, T, H]
+                assert np.array_equal(rows[i], full_rows[:, :32] if batch else full_rows[0, :32])
+                want = fulls[lay][full_rows[:, :32]]  # [B, 32, H, rb]
+                got = out[:, :, i] if batch else out[None, :, i]
+                assert np.array_equal(got, want)
+            step = np.empty(dec.out_shape, np.uint8)
+            for t in range(32, 40):  # decode continues the prompt's look-back
+                dec.push(toks[:, t] if batch else int(toks[0, t]))
+                dec.fill(step)
+                for i, lay in enumerate((2, 5)):
+                    want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]
+                    assert np.array_equal(
+                        step[:, i] if batch else step[i], want if batch else want[0]
+                    )
+    with engramdb.open(tmp_path) as db:  # one layer at a time, right before it runs
+        dec = Decoder({2: db["ple2"], 5: db["ple5"]}, h, batch=batch)
+        out = np.zeros(dec.out_shape, np.uint8)
+        dec.push(toks[:, 0] if batch else int(toks[0, 0]))
+        dec.fill(out, layer=5)
+        assert dec.filled_rows[0] is None and dec.filled_rows[1] is not None
+        lead = (slice(None),) if batch else ()
+        assert not out[(*lead, 0)].any(), "layer 2's slice is not written yet"
+        want5 = fulls[5][h.row_ids(toks[:, :1], layer=5)[:, -1]]
+        assert np.array_equal(out[(*lead, 1)], want5 if batch else want5[0])
+        dec.fill(out, layer=2)
+        want2 = fulls[2][h.row_ids(toks[:, :1], layer=2)[:, -1]]
+        assert np.array_equal(out[(*lead, 0)], want2 if batch else want2[0])
+        with pytest.raises(InvalidArgument):
+            dec.fill(out, layer=7)
+    with engramdb.open(tmp_path) as db:
+        one = Decoder(db["ple2"], h, layer=2)
+        one.prefill(toks[0, :5])
+        with pytest.raises(ShapeMismatch):
+            one.fill(np.empty(one.out_shape, np.uint8))  # a prefill fills [T, H, rb]
+        with pytest.raises(ShapeMismatch):
+            one.prefill(toks[:, :5].reshape(1, 1, -1))
+        with pytest.raises(ShapeMismatch):
+            one.prefill(np.zeros(0, np.int64))
+
+
+def test_compressed_option_takes_compressed_ids(tmp_path: Path, rng: np.random.Generator) -> None:
+    cfg = dict(
+        engram_vocab_size_per_ngram=[3000, 3000],
+        ngram_sizes=[2, 3],
+        n_head_per_ngram=2,
+        target_layers=[1],
+        pad_id=3,
+    )
+    lookup = rng.integers(0, 500, 2000)
+    lookup[:500] = np.arange(500)
+    with_map = keygen.hasher("engram-peft", cfg, token_map=lookup)
+    rows = with_map.table_rows(1)
+    full = np.random.default_rng(4).integers(0, 256, (rows, 32), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 32, [full])
+    raw = rng.integers(0, 2000, 50)
+    with engramdb.open(tmp_path) as db:
+        a = Decoder(db["t"], with_map)
+        b = Decoder(db["t"], with_map, compressed=True)
+        oa, ob = np.empty(a.out_shape, np.uint8), np.empty(b.out_shape, np.uint8)
+        for t in raw:
+            a.step(int(t), oa)
+            b.step(int(lookup[t]), ob)
+            assert np.array_equal(oa, ob)
+        assert np.array_equal(oa, full[with_map.row_ids(raw, layer=1)[-1]])
+        no_map = keygen.hasher(
+            "engram-peft", {**cfg, "compressed_vocab_size": 500}, compressed_pad_id=int(lookup[3])
+        )
+        with pytest.raises(InvalidArgument, match="compression map"):
+            Decoder(db["t"], no_map)
+        c = Decoder(db["t"], no_map, compressed=True)
+        oc = np.empty(c.out_shape, np.uint8)
+        for t in raw:
+            c.step(int(lookup[t]), oc)
+        assert np.array_equal(oc, oa)
 
 
 @pytest.mark.parametrize("batch", [None, 3])

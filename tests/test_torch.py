@@ -90,3 +90,161 @@ def test_fp8_with_ue8m0_block_scales(tmp_path: Path) -> None:
     assert multi.offsets.tolist() == [0, 120]
     with pytest.raises(IndexError, match="head 1"):
         multi(torch.tensor([[[0, 80]]]))
+
+
+# --- the pre-fetched-rows hook -------------------------------------------------------------
+def _peft_modules():  # type: ignore[no-untyped-def]
+    import sys
+    import typing
+    import warnings
+
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = pytest.importorskip("engram_peft.layer")
+        from engram_peft.config import EngramConfig
+    return layer, EngramConfig
+
+
+def _peft_tables(tmp_path: Path, layers=(1, 3)):  # type: ignore[no-untyped-def]
+    """An engram-peft config, its hasher, and one f32 table per layer (built from the
+    layers' own in-RAM weights)."""
+    import warnings
+
+    from engramdb import keygen
+
+    layer_mod, EngramConfig = _peft_modules()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = EngramConfig(
+            engram_vocab_size_per_ngram=[800, 800],
+            ngram_sizes=[2, 3],
+            n_head_per_ngram=2,
+            embedding_dim=32,
+            hidden_size=16,
+            hc_mult=1,
+            compressed_vocab_size=100,
+            pad_id=0,
+            enable_tokenizer_compression=False,
+            gating_zero_init=False,
+            conv_zero_init=False,
+            target_layers=list(layers),
+            use_sparse_embeddings=False,
+        )
+    h = keygen.hasher("engram-peft", cfg)
+    torch.manual_seed(0)
+    mods = {}
+    for lay in layers:
+        mods[lay] = layer_mod.EngramLayer(cfg, lay, h.primes(lay).tolist()).eval()
+        w = mods[lay].multi_head_embedding.embedding.weight.detach().contiguous()
+        engramdb.build(
+            tmp_path,
+            f"l{lay}",
+            32,
+            [w.view(torch.uint8).numpy()],
+            heads=h.primes(lay).tolist(),
+            dtype="f32",
+        )
+    return h, mods
+
+
+def test_hook_serves_the_decoders_fill_without_a_copy(tmp_path: Path) -> None:
+    from engramdb.decode import Decoder
+    from engramdb.torch import prefetched_multi_head_embedding
+
+    h, mods = _peft_tables(tmp_path)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 100, (3, 20))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=3, compressed=True)
+        hooks = {lay: prefetched_multi_head_embedding(dec, lay) for lay in (1, 3)}
+        out = np.empty(dec.prefill_shape(12), np.uint8)
+        dec.prefill(toks[:, :12])
+        dec.fill(out)
+        step = np.empty(dec.out_shape, np.uint8)
+        for lay, hook in hooks.items():
+            local = torch.from_numpy(h.local_ids(toks[:, :12], layer=lay))
+            got = hook(local)
+            want = mods[lay].multi_head_embedding(local)
+            assert torch.equal(got, want)
+            lo, hi = out.ctypes.data, out.ctypes.data + out.nbytes
+            assert lo <= got.data_ptr() < hi, "a view of the prefill buffer"
+            assert got.flatten(start_dim=-2).data_ptr() == got.data_ptr()
+        for t in range(12, 20):
+            dec.push(toks[:, t])
+            dec.fill(step)
+            for lay, hook in hooks.items():
+                local = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=lay)[:, -1:])
+                got = hook(local)
+                assert step.ctypes.data <= got.data_ptr() < step.ctypes.data + step.nbytes
+                assert torch.equal(got, mods[lay].multi_head_embedding(local))
+        assert all(hk.served_prefetched == 9 and hk.served_read == 0 for hk in hooks.values())
+
+
+def test_hook_falls_back_to_a_read_when_the_ids_differ(tmp_path: Path) -> None:
+    from engramdb.decode import Decoder
+    from engramdb.torch import DiskMultiHeadEmbedding
+
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder(db["l1"], h, compressed=True)
+        hook = DiskMultiHeadEmbedding(db["l1"], decoder=dec)
+        buf = np.empty(dec.out_shape, np.uint8)
+        dec.step(5, buf)
+        held = torch.from_numpy(h.local_ids([[5]], layer=1))
+        other = held.clone()
+        other[0, 0, 1] = (other[0, 0, 1] + 1) % int(h.primes(1)[1])  # one head differs
+        got = hook(other)
+        assert torch.equal(got, mods[1].multi_head_embedding(other))
+        assert not (buf.ctypes.data <= got.data_ptr() < buf.ctypes.data + buf.nbytes)
+        assert hook.served_read == 1 and hook.served_prefetched == 0
+        two = torch.cat([held, held], dim=1)  # more positions than the fill holds
+        assert torch.equal(hook(two), mods[1].multi_head_embedding(two))
+        assert hook.served_read == 2
+        assert torch.equal(hook(held), mods[1].multi_head_embedding(held))
+        assert hook.served_prefetched == 1
+        bad = held.clone()
+        bad[0, 0, 0] = int(h.primes(1)[0])  # out of its head's range: typed error
+        with pytest.raises(RowIdOutOfRange):
+            hook(bad)
+        with pytest.raises(RowIdOutOfRange):
+            DiskMultiHeadEmbedding(db["l1"])(-held)
+
+
+def test_engram_layer_decodes_identically_through_the_hook(tmp_path: Path) -> None:
+    """engram-peft's real EngramLayer: in-RAM table vs the hook fed by a Decoder."""
+    from engramdb.decode import Decoder
+    from engramdb.torch import prefetched_multi_head_embedding
+
+    h, mods = _peft_tables(tmp_path)
+    layer_mod, _ = _peft_modules()
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 100, (2, 24))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=2, compressed=True)
+        disk = {}
+        for lay, ram in mods.items():
+            twin = layer_mod.EngramLayer(ram.config, lay, h.primes(lay).tolist()).eval()
+            twin.load_state_dict(ram.state_dict())
+            twin.multi_head_embedding = prefetched_multi_head_embedding(dec, lay)
+            disk[lay] = twin
+        pre = np.empty(dec.prefill_shape(16), np.uint8)
+        dec.prefill(toks[:, :16])
+        dec.fill(pre)
+        step = np.empty(dec.out_shape, np.uint8)
+        hidden = torch.randn(2, 24, 16)
+        with torch.no_grad():
+            for t in range(16, 25):
+                if t > 16:
+                    dec.push(toks[:, t - 1])
+                    dec.fill(step)
+                lo, hi = (0, 16) if t == 16 else (t - 1, t)
+                for lay in mods:
+                    hashes = torch.from_numpy(h.local_ids(toks[:, :hi], layer=lay)[:, lo:hi])
+                    want = mods[lay](hidden_states=hidden[:, lo:hi], engram_hash_indices=hashes)
+                    got = disk[lay](hidden_states=hidden[:, lo:hi], engram_hash_indices=hashes)
+                    assert torch.equal(got, want)
+        assert all(d.multi_head_embedding.served_read == 0 for d in disk.values())

@@ -39,7 +39,7 @@ from engramdb.disk.publish import (
     read_manifest,
 )
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
-from engramdb.keygen import Hasher, LayerTables, as_hasher
+from engramdb.keygen import Hasher, LayerTables, as_hasher, column_mixes
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import FORMAT, VERSION, pick_table
 from engramdb.units import per_second
@@ -254,22 +254,14 @@ def _head_counts(
     if lt.max_ngram == 1:  # Gemma: the key is the row
         yield (0, *_count_ids(keys[:, 0], counts, lt.table_rows))
         return
-    mult = lt.multipliers
-    mix = np.multiply(keys[:, 0], mult[0])
-    tmp = np.empty_like(mix)
-    local = np.empty_like(mix)
-    col = 0
-    for k in range(1, lt.max_ngram):
-        np.multiply(keys[:, k], mult[k], out=tmp)
-        np.bitwise_xor(mix, tmp, out=mix)
-        for _ in range(lt.heads_per_ngram):
-            p = int(lt.primes[col])
-            # floor_divide by a scalar is SIMD; mix - q*p is the exact floor modulo.
-            np.floor_divide(mix, p, out=local)
-            np.multiply(local, -p, out=local)
-            np.add(local, mix, out=local)
-            yield (col, *_count_ids(local, counts, p))
-            col += 1
+    local = np.empty(keys.shape[0], dtype=np.int64)
+    for col, mix in column_mixes(lt, keys):  # the kind's windows (DeepSeek, engram-peft, Qwen)
+        p = int(lt.primes[col])
+        # floor_divide by a scalar is SIMD; mix - q*p is the exact floor modulo.
+        np.floor_divide(mix, p, out=local)
+        np.multiply(local, -p, out=local)
+        np.add(local, mix, out=local)
+        yield (col, *_count_ids(local, counts, p))
 
 
 def _kth_largest(cnts: np.ndarray, n: int) -> int:

@@ -12,6 +12,15 @@ from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
 
 
+def _preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value in PRESETS or (value.endswith(".json") and Path(value).is_file()):
+        return value
+    raise click.BadParameter(
+        f"{value!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a .json keygen "
+        f"config file (e.g. an engram-peft config.json)"
+    )
+
+
 @click.command("index")
 @click.argument("corpus", type=click.Path(exists=True, path_type=Path))
 @click.argument("db", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -19,8 +28,9 @@ from engramdb.keygen import PRESETS
     "--preset",
     "preset_name",
     required=True,
-    type=click.Choice(sorted(PRESETS)),
-    help="Model layout whose row ids to count.",
+    callback=_preset,
+    help="Model layout whose row ids to count: a preset name or a .json keygen config "
+    "(an engram-peft config.json works).",
 )
 @click.option("--table", "-t", help="Table to index (default: the database's only table).")
 @click.option(

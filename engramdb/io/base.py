@@ -295,12 +295,28 @@ def _copy_by_byte_index(
 # --- the interface --------------------------------------------------------------------------
 @dataclass
 class BackendStats(Stats):
-    """Counters that prove which backend served a workload (snapshot via `Backend.stats`)."""
+    """Counters that prove which backend served a workload (snapshot via `Backend.stats`).
+
+    ``bytes`` is the payload delivered into callers' buffers; ``device_bytes`` the bytes the
+    backend asked the kernel to read from the files: the request lengths for buffered
+    syscalls, the aligned spans for ``O_DIRECT`` (which round each request out to the
+    device's alignment), 0 for gathers from a mapping (their page faults are the kernel's).
+    ``syscalls`` counts ``preadv`` / ``io_uring_enter`` calls.
+    """
 
     batches: int = 0
     requests: int = 0
     bytes: int = 0
+    device_bytes: int = 0
     syscalls: int = 0
+
+    def add(self, other: BackendStats) -> None:
+        """Add ``other``'s counters into these."""
+        self.batches += other.batches
+        self.requests += other.requests
+        self.bytes += other.bytes
+        self.device_bytes += other.device_bytes
+        self.syscalls += other.syscalls
 
 
 class Backend(Closing, abc.ABC):
@@ -347,11 +363,39 @@ class Backend(Closing, abc.ABC):
         with self._stats_lock:
             return self._stats.copy()
 
-    def _count(self, requests: int, nbytes: int, syscalls: int) -> None:
+    def parts(self) -> tuple[Backend, ...]:
+        """The backends this one hands batches to (a composite such as ``auto``: its mapped,
+        buffered and ``O_DIRECT`` paths); () for a backend that reads itself. Found among the
+        instance's attributes, so a composite needs no registration."""
+        seen: list[Backend] = []
+        for value in vars(self).values():
+            if isinstance(value, Backend) and value is not self and value not in seen:
+                seen.append(value)
+        return tuple(seen)
+
+    def total_stats(self, *, mapped: bool = True) -> BackendStats:
+        """The counters of every path that read for this backend: its own for a plain
+        backend, the sum over `parts` for a composite (whose own count would repeat its
+        parts' bytes, and misses the batches callers hand to a part directly).
+        ``mapped=False`` leaves a composite's gathers from a mapping out (its syscall paths)."""
+        parts = self.parts()
+        if not parts:
+            return self.stats
+        total = BackendStats()
+        for p in parts:
+            if mapped or p.name != "mmap":
+                total.add(p.total_stats(mapped=mapped))
+        return total
+
+    def _count(
+        self, requests: int, nbytes: int, syscalls: int, device_bytes: int | None = None
+    ) -> None:
+        """Count one batch; ``device_bytes`` defaults to ``nbytes`` (buffered reads)."""
         with self._stats_lock:
             self._stats.batches += 1
             self._stats.requests += requests
             self._stats.bytes += nbytes
+            self._stats.device_bytes += nbytes if device_bytes is None else device_bytes
             self._stats.syscalls += syscalls
 
     # choosing (only `AutoBackend` overrides these; callers can treat every backend alike)

@@ -99,7 +99,7 @@ class MmapBackend(Backend):
                 self._gather(
                     fd, batch.offsets[sel], batch.lengths[sel], dest, batch.dest_offsets[sel]
                 )
-        self._count(batch.n, batch.nbytes, 0)
+        self._count(batch.n, batch.nbytes, 0, device_bytes=0)  # memory reads: no syscall
 
     def _gather(
         self, fd: int, offsets: np.ndarray, lengths: np.ndarray, dest: np.ndarray, dofs: np.ndarray

@@ -181,14 +181,15 @@ class IoUringBackend(Backend):
     # --- reading --------------------------------------------------------------------------
     def _read(self, batch: Batch, dest: np.ndarray) -> None:
         ring = self._acquire()
+        device = None  # buffered: the request lengths
         try:
             if self._direct:
-                calls = self._read_direct(ring, batch, dest)
+                calls, device = self._read_direct(ring, batch, dest)
             else:
                 calls = self._read_buffered(ring, batch, dest)
         finally:
             self._release(ring)
-        self._count(batch.n, batch.nbytes, calls)
+        self._count(batch.n, batch.nbytes, calls, device_bytes=device)
 
     def _read_buffered(self, ring: Ring, batch: Batch, dest: np.ndarray) -> int:
         work = Work(
@@ -359,12 +360,14 @@ class IoUringBackend(Backend):
             self._bounce.buf = buf
         return buf
 
-    def _read_direct(self, ring: Ring, batch: Batch, dest: np.ndarray) -> int:
+    def _read_direct(self, ring: Ring, batch: Batch, dest: np.ndarray) -> tuple[int, int]:
+        """Read ``batch`` through ``O_DIRECT``: ``(syscalls, device bytes)``, the device bytes
+        being the aligned spans asked of the kernel (the payload when it fell back)."""
         uniq, where = np.unique(batch.fds, return_inverse=True)
         pairs = [self._direct_fd(int(fd)) for fd in uniq.tolist()]  # one per distinct file
         if any(p[0] < 0 for p in pairs):
             self.direct_fallbacks += 1
-            return self._read_buffered(ring, batch, dest)
+            return self._read_buffered(ring, batch, dest), batch.nbytes
         dfds = np.array([p[0] for p in pairs], dtype=np.int32)[where]
         align = max(p[1] for p in pairs)
         start = batch.offsets - batch.offsets % align
@@ -408,4 +411,4 @@ class IoUringBackend(Backend):
                 batch.dest_offsets[sel],
             )
             lo = hi
-        return calls
+        return calls, int(cum[-1])

@@ -125,19 +125,31 @@ def _hash_block(
     mult = lt.multipliers
     primes = lt.primes
     heads = lt.heads_per_ngram
-    np.multiply(toks[0], mult[0], out=acc)
-    col = 0
-    for k in range(1, lt.max_ngram):
-        np.multiply(toks[k], mult[k], out=tmp)
-        np.bitwise_xor(acc, tmp, out=acc)
-        for _ in range(heads):
-            p = int(primes[col])
-            # floor(mix / p) then mix - q*p: exact floor modulo for any int64 mix, since the
-            # wrap of q*p cancels modulo 2^64 and the true result lies in [0, p).
-            np.floor_divide(acc_flat, p, out=quot)
-            np.multiply(quot, -p, out=quot)
-            np.add(acc_flat, quot, out=buf[col])
-            col += 1
+    n_max = lt.max_ngram
+    emit: list[list[int]]
+    if lt.peft_orders is None:
+        # Order n = k+1 is complete once look-back k is in: its columns follow the orders.
+        seq = list(toks)
+        emit = [[]] + [[k - 1] for k in range(1, n_max)]
+    else:
+        # engram-peft: the oldest id of the window gets m[0]; after j+1 terms the mix is the
+        # order-(j+1) window, which column groups with that order read.
+        seq = [toks[n_max - 1 - j] for j in range(n_max)]
+        emit = [[g for g, n in enumerate(lt.peft_orders) if n == j + 1] for j in range(n_max)]
+    for j in range(n_max):
+        if j == 0:
+            np.multiply(seq[0], mult[0], out=acc)
+        else:
+            np.multiply(seq[j], mult[j], out=tmp)
+            np.bitwise_xor(acc, tmp, out=acc)
+        for group in emit[j]:
+            for col in range(group * heads, (group + 1) * heads):
+                p = int(primes[col])
+                # floor(mix / p) then mix - q*p: exact floor modulo for any int64 mix, since
+                # the wrap of q*p cancels modulo 2^64 and the true result lies in [0, p).
+                np.floor_divide(acc_flat, p, out=quot)
+                np.multiply(quot, -p, out=quot)
+                np.add(acc_flat, quot, out=buf[col])
     kernel_stats["blocks"] += 1
     kernel_stats["positions"] += n
     shaped = buf.reshape((lt.n_heads, *shape))

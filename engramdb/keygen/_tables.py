@@ -6,7 +6,7 @@ The bottom of keygen: `_core` (the kernel and `Hasher`), `stream` (`KeyStream`),
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ __all__ = [
     "as_mask",
     "as_token_array",
     "check_range",
+    "column_mixes",
     "prepare_out",
     "readonly_int64",
     "to_int64",
@@ -66,6 +67,11 @@ class LayerTables:
 
     ``primes[col]`` is the bucket count of column ``col`` (order-major, head-minor), ``offsets``
     its first global row, ``table_rows`` the table size (the sum of the buckets, possibly padded).
+
+    ``peft_orders`` (None: the n-grams 2..N ending at the current token, ``m[0]`` on the
+    current token) selects engram-peft's windows instead: column group ``i`` hashes the
+    ``peft_orders[i]`` *oldest* ids of the last ``max_ngram`` positions, the oldest id times
+    ``m[0]`` (``mix_n(t) = XOR_{k=N-n}^{N-1} tok[t-k] * m[N-1-k]``).
     """
 
     layer: int
@@ -75,6 +81,7 @@ class LayerTables:
     primes: np.ndarray
     offsets: np.ndarray
     table_rows: int
+    peft_orders: tuple[int, ...] | None = None
 
     @classmethod
     def build(
@@ -86,9 +93,21 @@ class LayerTables:
         primes: Sequence[int],
         offsets: Sequence[int] | None = None,
         table_rows: int | None = None,
+        *,
+        peft_orders: Sequence[int] | None = None,
     ) -> LayerTables:
         """Validate and freeze one layer's constants (``offsets`` default to prefix sums)."""
-        n_cols = (max_ngram - 1) * heads_per_ngram
+        orders: tuple[int, ...] | None = None
+        if peft_orders is None:
+            n_cols = (max_ngram - 1) * heads_per_ngram
+        else:
+            orders = tuple(_int_list(f"layer {layer} n-gram orders", peft_orders))
+            if not orders or min(orders) < 1 or max(orders) != max_ngram:
+                raise InvalidArgument(
+                    f"layer {layer}: n-gram orders {list(orders)} must be >= 1 with maximum "
+                    f"{max_ngram}"
+                )
+            n_cols = len(orders) * heads_per_ngram
         mult = _int_list(f"layer {layer} multipliers", multipliers)
         prm = _int_list(f"layer {layer} primes", primes)
         if len(mult) != max_ngram:
@@ -99,9 +118,10 @@ class LayerTables:
         if any(not -(1 << 63) <= m <= INT64_MAX for m in mult):
             raise InvalidArgument(f"layer {layer}: multipliers {mult} do not fit in int64")
         if len(prm) != n_cols:
+            n_orders = max_ngram - 1 if orders is None else len(orders)
             raise InvalidArgument(
                 f"layer {layer}: {len(prm)} bucket sizes given, {n_cols} columns "
-                f"({max_ngram - 1} orders x {heads_per_ngram} heads) need {n_cols}"
+                f"({n_orders} orders x {heads_per_ngram} heads) need {n_cols}"
             )
         if any(p <= 0 for p in prm):
             raise InvalidArgument(f"layer {layer}: bucket sizes must be positive, got {prm}")
@@ -134,12 +154,41 @@ class LayerTables:
             primes=readonly_int64(prm),
             offsets=readonly_int64(off),
             table_rows=rows,
+            peft_orders=orders,
         )
 
     @property
     def n_heads(self) -> int:
         """Row ids per token: one per column, ``(max_ngram - 1) * heads_per_ngram`` if hashed."""
         return len(self.primes)
+
+
+def column_mixes(lt: LayerTables, keys2: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(column, mix)`` for every column of ``lt`` over contexts ``keys2`` (``[M, N]``, as
+    `Hasher.keys`), columns ascending: ``floor_mod(mix, primes[column])`` is the column's
+    local id. The heads of one order share (and must not modify) one ``mix`` array. For
+    callers that reduce one column at a time (the corpus index counts rows per head)."""
+    n_max = lt.max_ngram
+    heads = lt.heads_per_ngram
+    mult = lt.multipliers
+    if lt.peft_orders is None:
+        seq = [keys2[:, k] for k in range(n_max)]
+        groups = {k: [k - 1] for k in range(1, n_max)}
+    else:
+        seq = [keys2[:, n_max - 1 - j] for j in range(n_max)]
+        groups = {j: [g for g, n in enumerate(lt.peft_orders) if n == j + 1] for j in range(n_max)}
+    mixes: dict[int, np.ndarray] = {}
+    acc = np.multiply(seq[0], mult[0])
+    tmp = np.empty_like(acc)
+    for j in range(n_max):
+        if j:
+            np.multiply(seq[j], mult[j], out=tmp)
+            np.bitwise_xor(acc, tmp, out=acc)
+        for g in groups.get(j, []):
+            mixes[g] = acc.copy()
+    for g in sorted(mixes):
+        for col in range(g * heads, (g + 1) * heads):
+            yield col, mixes[g]
 
 
 # --- input checks ---------------------------------------------------------------------------

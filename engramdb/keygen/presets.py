@@ -2,25 +2,29 @@
 
 Frozen values come from the published checkpoints / configs (``docs/keygen.md`` lists the
 sources); they are stored here so that a change in numpy's random streams can never move a
-row id. Pure data and construction, no I/O.
+row id. Pure data and construction; `from_config_file` reads one JSON file.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from engramdb.errors import InvalidArgument
 from engramdb.keygen._core import Hasher
 from engramdb.keygen.kinds import build_deepseek, build_gemma, build_qwen
+from engramdb.keygen.peft import KIND as PEFT_KIND
+from engramdb.keygen.peft import build_peft
 from engramdb.keygen.tokenmap import TokenMap
 
-KINDS = ("deepseek-demo", "deepseek-v41", "qwen4exp", "gemma3n")
+KINDS = ("deepseek-demo", "deepseek-v41", "qwen4exp", "gemma3n", PEFT_KIND)
 
 
 def hasher(
     kind: str,
-    config: Mapping[str, Any],
+    config: Any,
     *,
     token_map: Any = None,
     compressed_pad_id: int | None = None,
@@ -36,6 +40,8 @@ def hasher(
     * ``"deepseek-v41"``: the HF ``text_config`` ``engram_*`` fields.
     * ``"qwen4exp"``: ``Qwen4ExpTextConfig`` (``ple_layer_ids``, ``ngram_size``, ...).
     * ``"gemma3n"``: ``Gemma3nTextConfig`` (``vocab_size_per_layer_input``, ...).
+    * ``"engram-peft"``: engram-peft's ``EngramConfig`` (the object or its dict:
+      ``ngram_sizes``, ``engram_vocab_size_per_ngram``, ``target_layers``, ...).
 
     ``token_map`` (DeepSeek): a :class:`TokenMap`, a frozen ``.npy`` path or an int table;
     ``compressed_pad_id``: the pad's compressed id when no map is given. ``constants``:
@@ -43,6 +49,15 @@ def hasher(
     "offsets"|"ngram_heads_offsets", "table_rows"}}`` read from a checkpoint; they win over
     derived values. Cost: prime search, ~1 ms per 100 columns.
     """
+    if kind == PEFT_KIND:
+        return build_peft(
+            config,
+            token_map=token_map,
+            compressed_pad_id=compressed_pad_id,
+            constants=constants,
+            name=name,
+            info=info,
+        )
     if kind in ("deepseek-demo", "deepseek-v41"):
         return build_deepseek(
             kind,
@@ -162,10 +177,18 @@ def preset(
     compressed_vocab_size=...)``); ``token_map`` / ``compressed_pad_id`` / ``constants`` as in
     :func:`hasher`, with given constants winning over the preset's frozen ones.
     """
+    if name not in PRESETS and name.endswith(".json") and os.path.isfile(name):
+        if config_overrides:
+            raise InvalidArgument("config overrides apply to named presets, not config files")
+        return from_config_file(
+            name, token_map=token_map, compressed_pad_id=compressed_pad_id, constants=constants
+        )
     try:
         spec = PRESETS[name]
     except KeyError:
-        raise InvalidArgument(f"unknown preset {name!r}; presets are {sorted(PRESETS)}") from None
+        raise InvalidArgument(
+            f"unknown preset {name!r}; presets are {sorted(PRESETS)} (or a .json config file)"
+        ) from None
     config = {**spec["config"], **config_overrides}
     frozen: dict[Any, dict[str, Any]] = {k: dict(v) for k, v in spec.get("constants", {}).items()}
     for layer, entry in (constants or {}).items():
@@ -192,6 +215,46 @@ def preset(
         constants=frozen or None,
         name=name,
         info=spec.get("info"),
+    )
+
+
+def from_config_file(
+    path: str | os.PathLike[str],
+    *,
+    token_map: Any = None,
+    compressed_pad_id: int | None = None,
+    constants: Mapping[Any, Mapping[str, Any]] | None = None,
+) -> Hasher:
+    """The hasher a JSON config file describes: ``{"kind": KIND, "config": {...}}`` (plus
+    optional ``"constants"``, ``"compressed_pad_id"``, ``"token_map"`` (a path)), or an
+    engram-peft ``config.json`` as `EngramConfig.to_dict` writes it (kind ``engram-peft``).
+    Reads the one file (and the token map it names, if any)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read keygen config {os.fspath(path)!r}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument(f"keygen config {os.fspath(path)!r} must hold a JSON object")
+    label = os.path.basename(os.fspath(path))
+    if "kind" in doc:
+        kind, config = doc["kind"], doc.get("config", {})
+        frozen: Mapping[Any, Mapping[str, Any]] | None = {
+            **doc.get("constants", {}),
+            **(constants or {}),
+        } or None
+        if token_map is None and doc.get("token_map") is not None:
+            tm = os.path.join(os.path.dirname(os.fspath(path)), doc["token_map"])
+            token_map = TokenMap.coerce(tm)
+        pad = compressed_pad_id if compressed_pad_id is not None else doc.get("compressed_pad_id")
+    elif "ngram_sizes" in doc and "engram_vocab_size_per_ngram" in doc:
+        kind, config, frozen, pad = PEFT_KIND, doc, constants, compressed_pad_id
+    else:
+        raise InvalidArgument(
+            f"keygen config {os.fspath(path)!r} has no 'kind' and is not an engram-peft config"
+        )
+    return hasher(
+        kind, config, token_map=token_map, compressed_pad_id=pad, constants=frozen, name=label
     )
 
 
