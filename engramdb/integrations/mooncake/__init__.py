@@ -61,6 +61,7 @@ from engramdb.integrations.mooncake._store import (
     remove,
     replicate_config,
 )
+from engramdb.integrations.mooncake.install import install_engramstore
 from engramdb.integrations.mooncake.layers import MooncakeLayers
 from engramdb.integrations.mooncake.layout import ObjectLayout, RangePlan, layer_layout
 from engramdb.integrations.mooncake.manifest import (
@@ -119,6 +120,7 @@ __all__ = [
     "get_bytes",
     "import_store",
     "index_bytes",
+    "install_engramstore",
     "is_store_client",
     "layer_layout",
     "manifest_key",
