@@ -5,6 +5,7 @@ Skipped where vLLM is not installed: run with the engines venv
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -138,32 +139,14 @@ def test_v41_compressed_token_map_equals_vllm(tmp_path: Any, engram: Any) -> Non
 
 # --- installers against vLLM's model classes ------------------------------------------------
 @pytest.fixture(scope="module")
-def vllm_gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A tiny Gemma 4 text config as a real vLLM ``VllmConfig`` (no download: the config is
-    written locally), with vLLM's single-process CPU distributed state (gloo)."""
+def vllm_env() -> Any:
+    """vLLM's single-process CPU distributed state (gloo), set up once for the module."""
     pytest.importorskip("vllm")
     import socket
 
-    import torch
-    from transformers import Gemma4TextConfig
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.models import gemma4
 
-    cfg = Gemma4TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=96,
-    )
-    cfg.architectures = ["Gemma4ForCausalLM"]
-    d = tmp_path_factory.mktemp("gemma4")
-    cfg.save_pretrained(d)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -176,10 +159,66 @@ def vllm_gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             backend="gloo",
         )
         initialize_model_parallel(1, 1)
+    return True
+
+
+def _vllm_model_env(hf_cfg: Any, arch: str, module: str, d: Any) -> Iterator[Any]:
+    """A real ``VllmConfig`` for a tiny HF config written locally (no download)."""
+    import torch
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    hf_cfg.architectures = [arch]
+    hf_cfg.save_pretrained(d)
     mc = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
     vc = VllmConfig(model_config=mc)
+    mod = importlib.import_module(f"vllm.model_executor.models.{module}")
     with set_current_vllm_config(vc), torch.no_grad():
-        yield SimpleNamespace(gemma4=gemma4, vc=vc, cfg=cfg, torch=torch)
+        yield SimpleNamespace(gemma4=mod, module=mod, vc=vc, cfg=hf_cfg, torch=torch)
+
+
+@pytest.fixture(scope="module")
+def vllm_gemma4(vllm_env: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from transformers import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=96,
+    )
+    yield from _vllm_model_env(
+        cfg, "Gemma4ForCausalLM", "gemma4", tmp_path_factory.mktemp("gemma4")
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_gemma3n(vllm_env: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from transformers import Gemma3nTextConfig
+
+    cfg = Gemma3nTextConfig(
+        vocab_size=128,
+        vocab_size_per_layer_input=96,
+        hidden_size=64,
+        hidden_size_per_layer_input=16,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0],
+        num_kv_shared_layers=0,
+        laurel_rank=8,
+        altup_num_inputs=2,
+    )
+    yield from _vllm_model_env(
+        cfg, "Gemma3nForCausalLM", "gemma3n", tmp_path_factory.mktemp("gemma3n")
+    )
 
 
 _prefixes = iter(range(1000))
@@ -269,4 +308,40 @@ def test_vllm_gemma4_load_skips_exactly_the_table(vllm_gemma4: Any, tmp_path: An
     ]
     kept = [n for n, _ in skip_table_weights(((n, None) for n in names), "embed_tokens_per_layer")]
     assert kept == ["embed_tokens_per_layer.weight_scale", "xembed_tokens_per_layer.weight"]
+    db.close()
+
+
+def test_vllm_gemma3n_installer_real_classes(vllm_gemma3n: Any, tmp_path: Any) -> None:
+    """Gemma3nSelfDecoder builds the table, Gemma3nTextModel loads it: both patched."""
+    from engramdb.integrations.engines import DiskTableEmbedding, install_vllm_gemma3n
+
+    g, torch = vllm_gemma3n.module, vllm_gemma3n.torch
+    torch.manual_seed(1)
+
+    def build() -> Any:
+        return g.Gemma3nTextModel(vllm_config=vllm_gemma3n.vc, prefix=f"n{next(_prefixes)}")
+
+    ref = build()
+    table = ref.self_decoder.embed_tokens_per_layer.weight
+    table.normal_()
+    db = _table_from(tmp_path, table.detach()[:96])
+    with install_vllm_gemma3n(db["ple"]):
+        m = build()
+        dec = m.self_decoder
+        assert isinstance(dec.embed_tokens_per_layer, DiskTableEmbedding)
+        assert "self_decoder.embed_tokens_per_layer.weight" not in dict(m.named_parameters())
+        assert type(dec.embed_tokens).__name__ == "VocabParallelEmbedding"
+        proj = torch.randn_like(ref.self_decoder.per_layer_model_projection.weight)
+        ckpt = [  # checkpoint names, before the model's own mapping
+            ("embed_tokens_per_layer.weight", torch.full((96, 32), float("nan"))),
+            ("per_layer_model_projection.weight", proj),
+        ]
+        loaded = m.load_weights(iter(ckpt))
+    assert "self_decoder.per_layer_model_projection.weight" in loaded
+    assert torch.equal(dec.per_layer_model_projection.weight, proj)
+    assert float(dec.embed_scale_per_layer) == 4.0  # sqrt(hidden_size_per_layer_input)
+    ids = torch.tensor([0, 7, 95, 96, 127, -3])
+    want = ref.self_decoder.get_per_layer_input_embeddings(ids)
+    got = dec.get_per_layer_input_embeddings(ids)
+    assert got.dtype == want.dtype and torch.equal(got, want)
     db.close()

@@ -107,25 +107,19 @@ def skip_table_weights(weights: Any, attr: str) -> Any:
     return ((n, w) for n, w in weights if not pattern.search(n))
 
 
-def install_vllm_gemma4(store: Store, attr: str = "embed_tokens_per_layer") -> Any:
-    """Serve vLLM Gemma 4's per-layer embedding table from ``store`` (an EngramDB table
-    of ``vocab_size_per_layer_input`` (or more) rows of ``num_hidden_layers *
-    hidden_size_per_layer_input`` values). Returns an `Undo`."""
-    try:
-        from vllm.model_executor.models import gemma4
-    except ImportError as e:
-        raise MissingDependency(
-            f"vLLM is not installed ({e}); install the extra: pip install 'engramdb[engines]'"
-        ) from None
+def _install_ple(
+    module: Any, model_cls: Any, ctor_suffix: str, attr: str, store: Store, what: str
+) -> Any:
+    """Patch ``module.VocabParallelEmbedding`` for the one constructor call whose prefix ends
+    in ``ctor_suffix`` and ``model_cls.load_weights`` to drop ``attr``'s table weight."""
     if not isinstance(store, Store):
         raise InvalidArgument(f"store must be an EngramDB Store, got {type(store).__name__}")
-    original_cls = gemma4.VocabParallelEmbedding
-    original_load = gemma4.Gemma4Model.load_weights
-    suffix = f".{attr}"
+    original_cls = module.VocabParallelEmbedding
+    original_load = model_cls.load_weights
 
     def embedding(num_embeddings: int, embedding_dim: int, *args: Any, **kwargs: Any) -> Any:
         prefix = str(kwargs.get("prefix", ""))
-        if not (prefix == attr or prefix.endswith(suffix)):
+        if not (prefix == ctor_suffix or prefix.endswith("." + ctor_suffix)):
             return original_cls(num_embeddings, embedding_dim, *args, **kwargs)
         if store.n_rows < num_embeddings:
             raise ShapeMismatch(
@@ -140,17 +134,67 @@ def install_vllm_gemma4(store: Store, attr: str = "embed_tokens_per_layer") -> A
         )
 
     def load_weights(self: Any, weights: Any) -> Any:
-        loaded = original_load(self, skip_table_weights(weights, attr))
-        return set(loaded) | {f"{attr}.weight"}
+        return set(original_load(self, skip_table_weights(weights, attr)))
 
-    gemma4.VocabParallelEmbedding = embedding
-    gemma4.Gemma4Model.load_weights = load_weights
+    module.VocabParallelEmbedding = embedding
+    model_cls.load_weights = load_weights
 
     def restore() -> None:
-        gemma4.VocabParallelEmbedding = original_cls
-        gemma4.Gemma4Model.load_weights = original_load
+        module.VocabParallelEmbedding = original_cls
+        model_cls.load_weights = original_load
 
-    return _undo_class()(restore, "vllm Gemma4Model.embed_tokens_per_layer")
+    return _undo_class()(restore, what)
 
 
-__all__ = ["DiskTableEmbedding", "install_vllm_gemma4", "skip_table_weights"]
+def _vllm_models() -> Any:
+    try:
+        from vllm.model_executor import models
+    except ImportError as e:
+        raise MissingDependency(
+            f"vLLM is not installed ({e}); install the extra: pip install 'engramdb[engines]'"
+        ) from None
+    return models
+
+
+def install_vllm_gemma4(store: Store) -> Any:
+    """Serve vLLM Gemma 4's per-layer embedding table (``Gemma4Model.embed_tokens_per_layer``)
+    from ``store``: an EngramDB table of ``vocab_size_per_layer_input`` (or more) rows of
+    ``num_hidden_layers * hidden_size_per_layer_input`` values. Returns an `Undo`."""
+    _vllm_models()
+    from vllm.model_executor.models import gemma4
+
+    return _install_ple(
+        gemma4,
+        gemma4.Gemma4Model,
+        "embed_tokens_per_layer",
+        "embed_tokens_per_layer",
+        store,
+        "vllm Gemma4Model.embed_tokens_per_layer",
+    )
+
+
+def install_vllm_gemma3n(store: Store) -> Any:
+    """Serve vLLM Gemma 3n's per-layer embedding table from ``store``. The table is built in
+    ``Gemma3nSelfDecoder`` (constructor prefix ``….per_layer_embed_tokens``) and loaded by
+    ``Gemma3nTextModel.load_weights`` (checkpoint name ``embed_tokens_per_layer.weight``,
+    mapped to ``self_decoder.embed_tokens_per_layer.weight``): both are patched together.
+    Returns an `Undo`."""
+    _vllm_models()
+    from vllm.model_executor.models import gemma3n
+
+    return _install_ple(
+        gemma3n,
+        gemma3n.Gemma3nTextModel,
+        "per_layer_embed_tokens",
+        "embed_tokens_per_layer",
+        store,
+        "vllm Gemma3nSelfDecoder.embed_tokens_per_layer",
+    )
+
+
+__all__ = [
+    "DiskTableEmbedding",
+    "install_vllm_gemma3n",
+    "install_vllm_gemma4",
+    "skip_table_weights",
+]
