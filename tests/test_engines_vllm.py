@@ -18,6 +18,9 @@ from engramdb import keygen
 from engramdb.errors import TokenIdOutOfRange
 from engramdb.keygen.presets import PRESETS
 
+# vLLM's own modules import torch.compile machinery that warns about deprecated torch APIs.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 @pytest.fixture(scope="module")
 def engram() -> Any:
@@ -345,3 +348,78 @@ def test_vllm_gemma3n_installer_real_classes(vllm_gemma3n: Any, tmp_path: Any) -
     got = dec.get_per_layer_input_embeddings(ids)
     assert got.dtype == want.dtype and torch.equal(got, want)
     db.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_qwen(vllm_env: Any) -> Iterator[Any]:
+    pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding")
+    import torch
+    from transformers import Qwen4ExpTextConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.models.qwen4_exp.nvidia import ngram_embedding as ne
+
+    cfg = Qwen4ExpTextConfig(
+        vocab_size=300,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=4,
+        seed=1234,
+        eos_token_id=2,
+    )
+    with set_current_vllm_config(VllmConfig()), torch.no_grad():
+        yield SimpleNamespace(ne=ne, cfg=cfg, torch=torch)
+
+
+def test_vllm_qwen4exp_installer_real_class(vllm_qwen: Any, tmp_path: Any) -> None:
+    from engramdb.integrations.engines import install_vllm_qwen4exp
+    from engramdb.integrations.engines.vllm import DiskPLEEmbedding
+
+    ne, torch, cfg = vllm_qwen.ne, vllm_qwen.torch, vllm_qwen.cfg
+
+    def build(layer: int) -> Any:
+        return ne.Qwen4ExpNGramEmbedding(
+            cfg, 32, layer, 64, data_parallel_rank=0, prefix=f"model.layers.{layer}.ple"
+        )
+
+    torch.manual_seed(2)
+    refs = {k: build(k) for k in (0, 1)}
+    for r in refs.values():
+        r.ngram_embedding.weight.normal_()
+    dbs = {}
+    for k, r in refs.items():
+        (tmp_path / str(k)).mkdir()
+        dbs[k] = _table_from(tmp_path / str(k), r.ngram_embedding.weight.detach())
+    with install_vllm_qwen4exp({k: db["ple"] for k, db in dbs.items()}):
+        mine = {k: build(k) for k in (0, 1)}
+        with pytest.raises(Exception, match="no EngramDB table for PLE layer 5"):
+            build(5)
+        # load: the hash buffers (companions) load, the table and its shards are skipped
+        mult = refs[1].layer_multipliers.clone()
+        loaded = mine[1].load_weights(
+            iter(
+                [
+                    ("layer_multipliers", mult),
+                    ("ngram_embedding.shard_0.weight", torch.full((60, 8), float("nan"))),
+                    ("ngram_embedding.weight", torch.full((240, 8), float("nan"))),
+                ]
+            )
+        )
+    assert "layer_multipliers" in loaded
+    assert type(ne.Qwen4ExpPLEDeviceEmbedding).__name__ != "function"  # undone
+    for k in (0, 1):
+        emb = mine[k].ngram_embedding
+        assert isinstance(emb, DiskPLEEmbedding) and emb.weight.device.type == "meta"
+        assert [n for n, _ in mine[k].named_parameters()] == []  # the table is not allocated
+    assert not torch.equal(refs[0].layer_multipliers, refs[1].layer_multipliers)
+    ids = torch.tensor([5, 9, 11, 2, 7, 8, 299, 0])
+    qsl = torch.tensor([0, 5, 8])
+    ctx = torch.full((2, 2), 2, dtype=torch.long)
+    hidden = torch.zeros(8, 32)
+    for k in (0, 1):  # one table per layer, each through the engine's own CPU hash path
+        want = refs[k](hidden, ids, qsl, ctx)
+        got = mine[k](hidden, ids, qsl, ctx)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    for db in dbs.values():
+        db.close()

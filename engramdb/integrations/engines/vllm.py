@@ -192,9 +192,109 @@ def install_vllm_gemma3n(store: Store) -> Any:
     )
 
 
+class DiskPLEEmbedding(DiskTableEmbedding):
+    """A Qwen4-Exp PLE table (one per PLE layer) over an EngramDB table: rows by global
+    n-gram id ``[T, heads] -> [T, heads, head_dim]``; ``weight`` is a meta tensor with the
+    engine table's shape and dtype (what the engine inspects; nothing is allocated)."""
+
+    supports_prefetch = False
+
+    def __init__(self, store: Store, num_embeddings: int, embedding_dim: int, **kw: Any):
+        method = kw.pop("embedding_method", None)
+        if method is not None and "Unquantized" not in type(method).__name__:
+            raise InvalidArgument(
+                f"{kw.get('prefix', '')}: {type(method).__name__} tables (FP8 rows with a "
+                "weight_scale companion) are not served from EngramDB yet; unquantized only"
+            )
+        params_dtype = kw.get("params_dtype")
+        super().__init__(
+            store, num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=kw["prefix"]
+        )
+        torch = _torch()
+        self.embedding_method = method
+        self.weight = torch.empty(
+            num_embeddings, embedding_dim, dtype=self.params_dtype, device="meta"
+        )
+
+    def dequantize(self, embeddings: Any, output_dtype: Any) -> Any:
+        """The unquantized method's semantics: rows are returned as they are."""
+        return embeddings
+
+    def start_prefetch(self, ngram_ids: Any) -> None:
+        return None
+
+
+_QWEN_TABLE = re.compile(r"^ngram_embedding\.(shard_\d+\.)?weight$")
+
+
+def install_vllm_qwen4exp(tables: Any) -> Any:
+    """Serve vLLM Qwen4-Exp's PLE tables (``Qwen4ExpNGramEmbedding.ngram_embedding``, one
+    per PLE layer) from EngramDB: ``tables`` maps each ``ple_dense_layer_id`` to its Store.
+
+    Each instance gets its own table (a layer without one in ``tables`` is refused); the
+    hash buffers (``layer_multipliers``, ``ngram_heads_vocab_sizes``, ``ngram_heads_offsets``)
+    stay the engine's and load from the checkpoint; exactly ``ngram_embedding.weight`` and
+    its ``ngram_embedding.shard_{i}.weight`` parts are skipped at load. Returns an `Undo`."""
+    _vllm_models()
+    from vllm.models.qwen4_exp.nvidia import ngram_embedding as ne
+
+    if not isinstance(tables, dict) or not tables:
+        raise InvalidArgument("tables must map ple_dense_layer_id -> EngramDB Store")
+    for k, v in tables.items():
+        if not isinstance(v, Store):
+            raise InvalidArgument(f"tables[{k!r}] must be an EngramDB Store")
+    cls = ne.Qwen4ExpNGramEmbedding
+    originals = {
+        "init": cls.__init__,
+        "load": cls.load_weights,
+        "device": ne.Qwen4ExpPLEDeviceEmbedding,
+        "pinned": ne.Qwen4ExpPLEPinnedHostEmbedding,
+    }
+    current: list[int] = []
+
+    def embedding(num_embeddings: int, embedding_dim: int, **kw: Any) -> Any:
+        layer = current[-1]
+        if layer not in tables:
+            raise InvalidArgument(f"no EngramDB table for PLE layer {layer} ({kw.get('prefix')})")
+        kw.pop("num_ngram_heads", None)
+        kw.pop("max_total_tokens", None)
+        kw.pop("data_parallel_rank", None)
+        kw.pop("reduce_results", None)
+        kw.pop("padding_size", None)
+        return DiskPLEEmbedding(tables[layer], num_embeddings, embedding_dim, **kw)
+
+    def init(
+        self: Any, config: Any, embedding_dim: int, ple_dense_layer_id: int, *a: Any, **kw: Any
+    ) -> None:
+        current.append(int(ple_dense_layer_id))
+        try:
+            originals["init"](self, config, embedding_dim, ple_dense_layer_id, *a, **kw)
+        finally:
+            current.pop()
+
+    def load_weights(self: Any, weights: Any) -> Any:
+        kept = ((n, w) for n, w in weights if not _QWEN_TABLE.match(n))
+        return set(originals["load"](self, kept))
+
+    ne.Qwen4ExpPLEDeviceEmbedding = embedding
+    ne.Qwen4ExpPLEPinnedHostEmbedding = embedding
+    cls.__init__ = init
+    cls.load_weights = load_weights
+
+    def restore() -> None:
+        cls.__init__ = originals["init"]
+        cls.load_weights = originals["load"]
+        ne.Qwen4ExpPLEDeviceEmbedding = originals["device"]
+        ne.Qwen4ExpPLEPinnedHostEmbedding = originals["pinned"]
+
+    return _undo_class()(restore, "vllm Qwen4ExpNGramEmbedding.ngram_embedding")
+
+
 __all__ = [
+    "DiskPLEEmbedding",
     "DiskTableEmbedding",
     "install_vllm_gemma3n",
     "install_vllm_gemma4",
+    "install_vllm_qwen4exp",
     "skip_table_weights",
 ]
