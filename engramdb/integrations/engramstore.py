@@ -51,8 +51,19 @@ from engramdb.errors import (
     ShapeMismatch,
     UnknownLayer,
 )
-from engramdb.integrations.mooncake import MooncakeLayers, is_store_client
-from engramdb.io.gather import run_split
+from engramdb.integrations.engramstore_parts import (
+    check_config,
+    gather_concat,
+    gather_heads,
+    layer_key,
+    resolve_client,
+    tensor_array,
+)
+from engramdb.integrations.mooncake import (
+    MooncakeError,
+    MooncakeLayers,
+    read_many,
+)
 from engramdb.store import Store
 from engramdb.validate import check_head_bounds, check_lookup_ids, check_output
 
@@ -100,26 +111,6 @@ class _Layer:
         return f"engram_l{self.layer_id}"
 
 
-def _check_config(layer_id: Any, cfg: Any) -> None:
-    if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) or layer_id < 0:
-        raise InvalidArgument(f"layer ids must be non-negative integers, got {layer_id!r}")
-    sizes = getattr(cfg, "table_vocab_sizes", None)
-    row_bytes = getattr(cfg, "row_bytes", None)
-    if not sizes:
-        raise InvalidArgument(f"layer {layer_id}: table_vocab_sizes must be non-empty")
-    for h, n in enumerate(sizes):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-            raise InvalidArgument(f"layer {layer_id}: table_vocab_sizes[{h}] = {n!r} must be > 0")
-    if (
-        isinstance(row_bytes, bool)
-        or not isinstance(row_bytes, (int, np.integer))
-        or row_bytes <= 0
-    ):
-        raise InvalidArgument(f"layer {layer_id}: row_bytes must be set > 0, got {row_bytes!r}")
-    if sum(int(n) for n in sizes) * int(row_bytes) > _INT64_MAX:
-        raise InvalidArgument(f"layer {layer_id}: table byte size overflows int64")
-
-
 @contextmanager
 def _binding_errors() -> Iterator[None]:
     """Re-raise the engine's validation errors as the binding-compatible classes."""
@@ -136,7 +127,8 @@ def _binding_errors() -> Iterator[None]:
 
 
 def _check_head_tables(layer: _Layer, buffers: Any, what: str) -> list[np.ndarray]:
-    if not isinstance(buffers, (list, tuple)):
+    if not isinstance(buffers, list):
+        # the binding's parameter is a py::list: a tuple is refused there too
         raise LookupTypeError(f"{what}: expected a list of arrays, got {type(buffers).__name__}")
     if len(buffers) != len(layer.sizes):
         raise LookupShapeError(
@@ -162,31 +154,67 @@ def _check_head_tables(layer: _Layer, buffers: Any, what: str) -> list[np.ndarra
 class EngramStore:
     """Engram tables of several layers behind Mooncake's EngramStore surface.
 
+    Constructor forms (every Mooncake version users hold):
+
+    * ``EngramStore(layers, store)`` — the merged contract (``store``: None, an EngramDB
+      database or path, or a Mooncake client);
+    * ``EngramStore(layers, store_client=client, local_dir=path)`` — the current upstream
+      form: ``store_client`` a Mooncake client (or a wrapper with ``_get_pyclient_capsule``),
+      ``local_dir`` a directory whose local tables ``populate`` writes atomically (an
+      EngramDB database there);
+    * ``EngramStore(layer_id, config, store)`` — the released wheel's (0.3.13.post1)
+      single-layer API: returns a `ReleasedEngramStore` (float32 rows,
+      ``config.embedding_dim``, ``lookup(row_ids) -> [B, L, H, D]``).
+
     ``object_bytes`` (Mooncake backing only) splits heads larger than that many bytes into
     several store objects of whole rows; by default each head is one object, as the
     contract has it."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else kwargs.get("layer_id", kwargs.get("layers"))
+        if "layer_id" in kwargs or isinstance(first, (int, np.integer, str, float)):
+            from engramdb.integrations.engramstore_released import ReleasedEngramStore
+
+            return ReleasedEngramStore(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
         layers: dict[int, EngramStoreConfig],
         store: Any = None,
         *,
+        store_client: Any = None,
+        local_dir: str | os.PathLike[str] | None = None,
         object_bytes: int | None = None,
     ):
         if not isinstance(layers, dict) or not layers:
             raise InvalidArgument("EngramStore requires at least one layer")
         for layer_id, cfg in layers.items():
-            _check_config(layer_id, cfg)
+            check_config(layer_id, cfg)
         self._layers = {int(k): _Layer(int(k), v) for k, v in layers.items()}
         self._lock = threading.Lock()
         self._db_path: Path | None = None
         self._mooncake: MooncakeLayers | None = None
-        if object_bytes is not None and not is_store_client(store):
+        self._local_mode = store is None and store_client is None
+        if store_client is not None:
+            if store is not None:
+                raise InvalidArgument("pass the Mooncake client as store or store_client, not both")
+            store = store_client
+            if resolve_client(store) is None:
+                raise InvalidArgument(
+                    f"store_client must be a Mooncake client, got {type(store).__name__}"
+                )
+        if local_dir is not None:
+            if store is not None:
+                raise InvalidArgument("local_dir is the local backing: pass no store with it")
+            store = Path(local_dir)
+        client = resolve_client(store)
+        if object_bytes is not None and client is None:
             raise InvalidArgument("object_bytes applies only to a Mooncake store backing")
         if store is None:
             pass
-        elif is_store_client(store):
-            self._mooncake = MooncakeLayers(store, object_bytes)
+        elif client is not None:
+            self._mooncake = MooncakeLayers(client, object_bytes)
             for layer in self._layers.values():
                 layer.objects = self._mooncake.layout(layer.layer_id, layer.sizes, layer.row_bytes)
         elif isinstance(store, Database):
@@ -201,9 +229,10 @@ class EngramStore:
 
     # -- metadata ----------------------------------------------------------------------------
     def _layer(self, layer_id: int) -> _Layer:
+        key = layer_key(layer_id)
         try:
-            return self._layers[int(layer_id)]
-        except (KeyError, TypeError, ValueError):
+            return self._layers[key]
+        except KeyError:
             raise UnknownLayer(f"Unknown Engram layer {layer_id!r}") from None
 
     def get_layer_ids(self) -> list[int]:
@@ -300,8 +329,18 @@ class EngramStore:
 
         ``force`` is accepted for compatibility: readers that already opened the table keep
         their snapshot, so removal never has to wait for them. Mooncake backing: an object
-        read within the master's lease TTL refuses removal unless ``force``."""
+        read within the master's lease TTL refuses removal unless ``force``.
+
+        Local mode (no store: bound or ``local_dir`` layers) refuses, as upstream does
+        (`MooncakeError`, a ``RuntimeError``, code -600 INVALID_PARAMS): local tables live
+        as long as the EngramStore."""
         layer = self._layer(layer_id)
+        if self._local_mode:
+            raise MooncakeError(
+                f"remove_from_store failed for layer {layer.layer_id}: a local EngramStore "
+                "(no store client) has no store to remove from (INVALID_PARAMS (-600))",
+                -600,
+            )
         if self._mooncake is not None:
             with self._lock:
                 return int(self._mooncake.remove(layer.objects, force))
@@ -374,10 +413,105 @@ class EngramStore:
             if mooncake is not None:
                 mooncake.lookup_into(layer.objects, row_ids, output)
             elif bound is not None:
-                _gather_heads(bound, row_ids, output)
+                gather_heads(bound, row_ids, output)
             else:
                 assert store is not None
                 store.lookup_into(row_ids, output)
+
+    def lookup_many_into(
+        self, layer_ids: Sequence[int], row_ids: Sequence[np.ndarray], outputs: Sequence[np.ndarray]
+    ) -> None:
+        """`lookup_into` for several layers at once: ``outputs[i][b, l, h] =
+        table(layer_ids[i])_h[row_ids[i][b, l, h]]``.
+
+        Every request is validated (types, shapes, bounds, outputs not overlapping) before
+        any output is written; a bounds error zero-fills every output, as upstream does.
+        Mooncake backing: one ``get_into_ranges`` submission for all layers (each output
+        registered by the caller)."""
+        if not all(isinstance(x, Sequence) for x in (layer_ids, row_ids, outputs)):
+            raise LookupTypeError("layer_ids, row_ids and outputs must be sequences")
+        if not len(layer_ids) == len(row_ids) == len(outputs):
+            raise LookupShapeError("layer_ids, row_ids, and outputs must have equal lengths")
+        layers = [self._layer(layer_id) for layer_id in layer_ids]
+        with _binding_errors():
+            for layer, ids, out in zip(layers, row_ids, outputs):
+                check_lookup_ids(ids, len(layer.sizes))
+                check_output(out, ids.shape + (layer.row_bytes,), name="output")
+            live = [i for i, ids in enumerate(row_ids) if ids.size]
+            for a, i in enumerate(live):
+                for j in live[a + 1 :]:
+                    if np.may_share_memory(outputs[i], outputs[j]):
+                        raise LookupShapeError(f"outputs {i} and {j} overlap")
+            stores = {
+                i: self._open_store(layers[i])
+                for i in live
+                if layers[i].bound is None and self._mooncake is None
+            }
+            try:
+                for i in live:
+                    check_head_bounds(row_ids[i], layers[i].heads)
+            except RowIdOutOfRange:
+                for out in outputs:
+                    out.fill(0)
+                raise
+            if self._mooncake is not None:
+                parts = [(layers[i].objects.plan_local(row_ids[i]), outputs[i]) for i in live]
+                read_many(self._mooncake.client, parts, self._mooncake.counters)
+                return
+            for i in live:
+                bound = layers[i].bound
+                if bound is not None:
+                    gather_heads(bound, row_ids[i], outputs[i])
+                else:
+                    stores[i].lookup_into(row_ids[i], outputs[i])
+
+    def lookup(self, table_ids: Sequence[int], row_ids: np.ndarray, output: Any) -> None:
+        """Upstream's flat lookup: ``output[i, t] = table(table_ids[i])[row_ids[i, t]]``.
+
+        ``row_ids``: C-contiguous int64 ``[len(table_ids), tokens]``, each id a row of that
+        layer's table (heads concatenated: for the one-head layers upstream's callers make,
+        the head's own row); ``-1`` leaves that output row untouched. ``output``: a writable
+        C-contiguous uint8 ndarray (or CPU uint8 tensor) ``[len(table_ids), tokens,
+        row_bytes]``, every table of one row width. Invalid input raises before any write.
+        Database and local backings (the Mooncake backing serves `lookup_into`)."""
+        if not isinstance(table_ids, Sequence) or not table_ids:
+            raise LookupTypeError("table_ids must be a non-empty sequence of layer ids")
+        layers = [self._layer(t) for t in table_ids]
+        if not isinstance(row_ids, np.ndarray) or row_ids.dtype != np.int64:
+            raise LookupTypeError("lookup requires contiguous int64 IDs [heads,tokens]")
+        if not row_ids.flags.c_contiguous or row_ids.ndim != 2 or row_ids.shape[0] != len(layers):
+            raise LookupTypeError("lookup requires contiguous int64 IDs [heads,tokens]")
+        width = layers[0].row_bytes
+        if any(layer.row_bytes != width for layer in layers):
+            raise LookupShapeError("lookup: every table must have the same row_bytes")
+        out = output if isinstance(output, np.ndarray) else tensor_array(output)
+        with _binding_errors():
+            check_output(out, row_ids.shape + (width,), name="output")
+        if self._mooncake is not None:
+            raise LayerNotReady(
+                "lookup(table_ids, ...) is served by the database and local backings; use "
+                "lookup_into / lookup_many_into on a Mooncake backing"
+            )
+        bounds = np.array([sum(layer.sizes) for layer in layers], dtype=np.int64)
+        live = row_ids >= 0
+        bad = (row_ids < -1) | (row_ids >= bounds[:, None])
+        if bad.any():
+            i, t = (int(v) for v in np.argwhere(bad)[0])
+            raise LookupBoundsError(
+                f"row id {int(row_ids[i, t])} at [{i}, {t}] is outside table "
+                f"{layers[i].layer_id}'s [0, {int(bounds[i])}) (-1 leaves a row untouched)"
+            )
+        for i, layer in enumerate(layers):
+            keep = np.flatnonzero(live[i])
+            if keep.size == 0:
+                continue
+            ids = row_ids[i, keep]
+            rows = np.empty((keep.size, width), dtype=np.uint8)
+            if layer.bound is not None:
+                gather_concat(layer.bound, layer.heads, ids, rows)
+            else:
+                self._open_store(layer).fetch_into(ids, rows)
+            out[i, keep] = rows
 
     def __repr__(self) -> str:
         if self._mooncake is not None:
@@ -385,34 +519,6 @@ class EngramStore:
         else:
             backing = str(self._db_path) if self._db_path else "local"
         return f"<EngramStore layers={self.get_layer_ids()} backing={backing}>"
-
-
-_scratch = threading.local()
-
-
-def _gather_heads(tables: list[np.ndarray], row_ids: np.ndarray, output: np.ndarray) -> None:
-    """Per-head gather from separate head tables into the interleaved output.
-
-    Each head is gathered into a contiguous scratch buffer with ``np.take`` (fast, no
-    temporary) and then copied into its strided slot of the output; heads are split
-    across cores."""
-    h_count = row_ids.shape[-1]
-    ids2 = row_ids.reshape(-1, h_count)
-    n = ids2.shape[0]
-    out3 = output.reshape(n, h_count, output.shape[-1])
-
-    def run(lo: int, hi: int) -> None:
-        buf = getattr(_scratch, "rows", None)
-        need = n * output.shape[-1]
-        if buf is None or buf.size < need:
-            buf = np.empty(need, dtype=np.uint8)
-            _scratch.rows = buf
-        rows = buf[:need].reshape(n, output.shape[-1])
-        for h in range(lo, hi):
-            np.take(tables[h], ids2[:, h], axis=0, out=rows, mode="clip")
-            out3[:, h, :] = rows
-
-    run_split(run, h_count)
 
 
 __all__ = ["EngramDBError", "EngramStore", "EngramStoreConfig"]

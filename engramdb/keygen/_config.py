@@ -53,8 +53,23 @@ PRIME_KEYS = ("primes", "ngram_heads_vocab_sizes", "head_rows")
 OFFSET_KEYS = ("offsets", "ngram_heads_offsets")
 
 
+# Defaults of the model's own config class for fields a checkpoint's config.json may omit
+# (``transformers`` writes only values that differ from the class defaults). Checked against
+# the classes in tests (``Gemma3nTextConfig()``). ``num_hidden_layers`` stays required: it
+# is the table's shape, and a wrong guess would give a wrong table rather than an error.
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3n": {
+        "vocab_size": 262_400,
+        "vocab_size_per_layer_input": 262_144,
+        "hidden_size_per_layer_input": 256,
+        "pad_token_id": 0,
+    },
+}
+
+
 class Config:
-    """Field lookup in a HF config dict, falling back to its ``text_config``."""
+    """Field lookup in a HF config dict, falling back to its ``text_config``, then to the
+    model config class's defaults (`CLASS_DEFAULTS`) for omitted fields."""
 
     def __init__(self, kind: str, config: Mapping[str, Any]) -> None:
         if not isinstance(config, Mapping):
@@ -63,12 +78,16 @@ class Config:
         self.top = config
         text = config.get("text_config")
         self.text = text if isinstance(text, Mapping) else {}
+        self.defaults = CLASS_DEFAULTS.get(kind, {})
 
     def get(self, *names: str, default: Any = MISSING) -> Any:
         for src in (self.top, self.text):
             for name in names:
                 if name in src and src[name] is not None:
                     return src[name]
+        for name in names:
+            if name in self.defaults:
+                return self.defaults[name]
         if default is MISSING:
             raise InvalidArgument(f"{self.kind} config lacks {' / '.join(repr(n) for n in names)}")
         return default

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 # Each piece's public names (its ``__all__``) are this package's.
 from engramdb.integrations.mooncake import _store
+from engramdb.integrations.mooncake import install as _install
 from engramdb.integrations.mooncake import layers as _layers
 from engramdb.integrations.mooncake import layout as _layout
 from engramdb.integrations.mooncake import manifest as _manifest
 from engramdb.integrations.mooncake import publish as _publish
 from engramdb.integrations.mooncake import tables as _tables
 from engramdb.integrations.mooncake._store import *  # noqa: F403
+from engramdb.integrations.mooncake.install import *  # noqa: F403
 from engramdb.integrations.mooncake.layers import *  # noqa: F403
 from engramdb.integrations.mooncake.layout import *  # noqa: F403
 from engramdb.integrations.mooncake.manifest import *  # noqa: F403
@@ -60,6 +62,7 @@ from engramdb.integrations.mooncake.views import (
 
 __all__ = [
     *_store.__all__,
+    *_install.__all__,
     *_layers.__all__,
     *_layout.__all__,
     *_manifest.__all__,
