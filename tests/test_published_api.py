@@ -112,6 +112,96 @@ def test_database_of_a_directory_of_tables(tmp_path: Path, rows: np.ndarray) -> 
     db.close()
 
 
+def _raw_tables(root: Path, rows: np.ndarray) -> dict[str, tuple[np.ndarray, int, int, int]]:
+    """Two raw-shard tables under ``root``: name -> (reference, shards, rows_per_shard, width)."""
+    wide = np.random.default_rng(11).integers(0, 256, (700, 96), dtype=np.uint8)
+    out = {"ple": (rows, 1_000, 160), "small": (wide, 256, 96)}  # unaligned, aligned x3
+    return {n: (t, write_raw(root / n, t, rps), rps, w) for n, (t, rps, w) in out.items()}
+
+
+def test_database_of_raw_tables_fetch_equals_store(tmp_path: Path, rows: np.ndarray) -> None:
+    tables = _raw_tables(tmp_path, rows)
+    (tmp_path / "notes").mkdir()  # a sub-directory without shard_000.bin is not a table
+    (tmp_path / "README.txt").write_text("x")
+    db = engramdb.Database(tmp_path)
+    assert db.list_tables() == db.tables == ["ple", "small"] and "ple" in db and len(db) == 2
+    for name, (ref, n, rps, w) in tables.items():
+        ids = [0, ref.shape[0] - 1, rps - 1, rps, 3, 3]
+        got = db.fetch(name, ids, shards=n, rows_per_shard=rps, width=w)
+        assert got.dtype == np.uint8 and got.tobytes() == ref[ids].tobytes()
+        with engramdb.Store(tmp_path / name, n, rps, w) as direct:
+            assert direct.fetch(ids).tobytes() == got.tobytes()
+        arr = np.array([[1, 2], [ref.shape[0] - 2, 0]], dtype=np.int64)
+        assert db.fetch(name, arr, shards=n, rows_per_shard=rps, width=w).tobytes() == (
+            ref[arr].tobytes()
+        )
+        assert db.fetch(name, [], shards=n, rows_per_shard=rps, width=w).size == 0
+        with pytest.raises(RowIdOutOfRange):
+            db.fetch(name, [ref.shape[0]], shards=n, rows_per_shard=rps, width=w)
+        with pytest.raises(RowIdOutOfRange):
+            db.fetch(name, [0, -1], shards=n, rows_per_shard=rps, width=w)
+    t = db.table("ple", shards=3, rows_per_shard=1_000, width=160)
+    assert isinstance(t, RawShardTable)  # 160,000 B shards: not page multiples
+    assert db.table("ple", shards=3, rows_per_shard=1_000, width=160) is t  # cached
+    small = db.table("small", shards=3, rows_per_shard=256, width=96)
+    assert isinstance(small, engramdb.Store) and small.name == "small"
+    assert db.info()["tables"]["ple"]["opened_geometries"] == [(3, 1_000, 160)]
+    db.close()
+    assert t.closed and small.closed
+    with pytest.raises(engramdb.StoreClosed):
+        db.fetch("ple", [0], shards=3, rows_per_shard=1_000, width=160)
+
+
+def test_database_of_raw_tables_typed_errors(tmp_path: Path, rows: np.ndarray) -> None:
+    _raw_tables(tmp_path, rows)
+    db = engramdb.open(tmp_path)
+    with pytest.raises(TableNotFound, match=r"'nope'.*\['ple', 'small'\]"):
+        db.fetch("nope", [0], shards=1, rows_per_shard=1, width=1)
+    with pytest.raises(TableNotFound):
+        db.fetch("../ple", [0], shards=3, rows_per_shard=1_000, width=160)
+    with pytest.raises(InvalidArgument, match="rows_per_shard, width"):
+        db.fetch("ple", [0], shards=3)
+    for bad in ({"shards": 0}, {"width": -160}, {"rows_per_shard": True}, {"width": 1.5}):
+        geom = {"shards": 3, "rows_per_shard": 1_000, "width": 160, **bad}
+        with pytest.raises(InvalidArgument, match=repr(next(iter(bad.values())))):
+            db.fetch("ple", [0], **geom)
+    for geom in ((4, 1_000, 160), (3, 900, 160), (3, 1_000, 150)):  # the files disagree
+        with pytest.raises(InvalidArgument, match="'ple'") as e:
+            db.fetch("ple", [0], shards=geom[0], rows_per_shard=geom[1], width=geom[2])
+        assert isinstance(e.value.__cause__, CorruptFile)
+    with pytest.raises(InvalidArgument, match="geometry"):
+        db["ple"]
+    with pytest.raises(TableNotFound):
+        db["nope"]
+    with pytest.raises(InvalidArgument, match="populate"):
+        engramdb.Database(tmp_path, populate=True)
+    db.close()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(engramdb.DatabaseNotFound):
+        engramdb.Database(tmp_path / "empty")
+    with pytest.raises(engramdb.DatabaseNotFound):
+        engramdb.open(tmp_path / "missing")
+
+
+def test_built_database_has_the_published_calls(tmp_path: Path, rows: np.ndarray) -> None:
+    engramdb.build(tmp_path, "alpha", 160, [rows[:100]])
+    engramdb.build(tmp_path, "beta", 160, [rows[100:300]])
+    (tmp_path / "raw").mkdir()  # a manifest wins over raw-looking sub-directories
+    rows[:10].tofile(tmp_path / "raw" / "shard_000.bin")
+    with engramdb.Database(tmp_path) as db:
+        assert db.list_tables() == ["alpha", "beta"] and db.raw_tables is None
+        assert db.fetch("beta", [0, 199, 7]).tobytes() == rows[[100, 299, 107]].tobytes()
+        got = db.fetch("beta", [5], shards=9, rows_per_shard=1, width=160)  # raw-only: ignored
+        assert got.tobytes() == rows[[105]].tobytes()
+        assert db.table("alpha") is db["alpha"]
+        with pytest.raises(InvalidArgument, match="width=96"):
+            db.fetch("alpha", [0], width=96)
+        with pytest.raises(TableNotFound, match=r"'raw'.*\['alpha', 'beta'\]"):
+            db.fetch("raw", [0])
+        with pytest.raises(RowIdOutOfRange):
+            db.fetch("alpha", [100])
+
+
 # -- View(path) on a published raw slot view -------------------------------------------------
 def _raw_view(tmp_path: Path, table: np.ndarray, heads: int, slots: int) -> np.ndarray:
     rng = np.random.default_rng(3)
