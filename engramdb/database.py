@@ -186,8 +186,8 @@ class Database(Closing):
         ``width`` that differs from the table's row bytes is `InvalidArgument` (``shards`` /
         ``rows_per_shard`` describe raw files and are ignored: a built table knows its own).
         A directory of raw tables: all three are required, and the table is what
-        ``Store(root / name, shards, rows_per_shard, width)`` opens (a `Store`, or a
-        `RawShardTable` when the shards do not map back to back), kept per
+        ``Store(root / name, shards, rows_per_shard, width)`` opens (a `Store` with
+        every read path, whatever the geometry), kept per
         ``(name, shards, rows_per_shard, width)``. Geometry that does not match the files
         is `InvalidArgument` naming the table, chained from the shard's size error."""
         if self.raw_tables is None:

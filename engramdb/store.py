@@ -21,7 +21,7 @@ from engramdb.keygen import preset as keygen_preset
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import load_index
 from engramdb.read.prefetch import Ticket
-from engramdb.read.raw import RawShardTable, raw_layout
+from engramdb.read.raw import raw_layout
 from engramdb.read.table import LocalTable
 from engramdb.validate import as_rowids, check_bounds
 from engramdb.view import View, open_view
@@ -69,11 +69,11 @@ class Store(LocalTable):
     * ``Store(path, shards, rows_per_shard, width, threads=None)`` (positional or keywords) —
       the published EngramDB Python API's raw row shards: ``shard_{i:03d}.bin`` files with no
       header, row ``r`` in shard ``r // rows_per_shard`` at ``(r % rows_per_shard) * width``
-      (see `engramdb.read.raw`). Read in place, no copy. When the shards map back to back
-      (one shard, or shard bytes a multiple of 4 KiB) this is a `Store` with every read path;
-      otherwise the call returns a `RawShardTable` (the same `RowTable` read surface, mapped
-      per shard; no views, prefetch or RAM tier). ``threads`` is accepted for compatibility:
-      large gathers here size their own worker pool. ``heads=``, ``dtype=``, ``dim=`` and
+      (see `engramdb.read.raw`). Read in place, no copy, with every read path of a built
+      table whatever the geometry: shards that map back to back (one shard, or shard bytes
+      a multiple of 4 KiB) open as a built table, any other geometry as an attached one
+      (rows read from each shard file in place, its identity checked at open).
+      ``threads`` is accepted for compatibility: large gathers size their own worker pool. ``heads=``, ``dtype=``, ``dim=`` and
       ``name=`` describe the rows (defaults: one head, raw bytes, the directory's name).
 
     Row ids are *global* (``head_offsets[h] + local``) for `fetch` / `fetch_into`, and
@@ -82,16 +82,6 @@ class Store(LocalTable):
     ``np.frombuffer(store.fetch(ids), dtype)`` works). Every call validates first and writes
     the output only after validation passed, so a bad id never leaves a half-written buffer.
     """
-
-    def __new__(cls, db_path: Any = None, info: Any = None, *args: Any, **kwargs: Any) -> Any:
-        rows_per_shard = args[0] if args else kwargs.get("rows_per_shard")
-        width = args[1] if len(args) > 1 else kwargs.get("width")
-        raw = _raw_form(db_path, info, rows_per_shard, width, kwargs.get("shards"))
-        if raw is not None:
-            layout, mappable = raw_layout(db_path, *raw, **_describe(kwargs))
-            if not mappable:
-                return RawShardTable(db_path, layout, raw[1])
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -113,7 +103,7 @@ class Store(LocalTable):
         if raw is not None:
             if table is not None:
                 raise InvalidArgument("table= names a table of a built database, not raw shards")
-            info = raw_layout(db_path, *raw, **describe)[0]
+            info = raw_layout(db_path, *raw, **describe)
         elif info is None:
             if table is None:
                 raise InvalidArgument(

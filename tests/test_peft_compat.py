@@ -198,6 +198,26 @@ def test_embedding_is_a_copy_on_write_view_with_sparse_gradients(tmp_path: Path,
     assert np.array_equal(on_disk, table.numpy())
 
 
+@pytest.mark.parametrize(("rows_per_shard", "mode"), [(1_100, "embedding"), (500, "lookup")])
+def test_unaligned_raw_shards_are_an_attached_store_in_both_modes(
+    tmp_path: Path, ep: Any, rows_per_shard: int, mode: str
+) -> None:
+    # 1,100 x 32 B and 500 x 32 B shards are not page multiples: the Store is attached; the
+    # embedding mode maps the first shard when it holds rows [0, sum(primes)).
+    table = torch.randn(sum(PRIMES) + 300, DIM, generator=torch.Generator().manual_seed(8))
+    n = write_raw(tmp_path, table.numpy().view(np.uint8), rows_per_shard)
+    store = engramdb.Store(tmp_path, n, rows_per_shard, DIM * 4)
+    assert isinstance(store, engramdb.Store) and store.attached and n > 1
+    install_disk_multi_head_embedding(store)
+    m = ep.layer.MultiHeadEmbedding(primes=PRIMES, embedding_dim_per_head=DIM)
+    assert m.mode == mode
+    if mode == "embedding":
+        assert mapped_file_of(m.embedding.weight) == str((tmp_path / "shard_000.bin").resolve())
+    local = torch.tensor([[[0, 1, 2, 3], [210, 222, 306, 310]]])
+    assert torch.equal(m(local), table[local + m.offsets])
+    store.close()
+
+
 def test_optimizer_grouping_puts_the_table_in_sparse_adam(tmp_path: Path, ep: Any) -> None:
     table, store = f32_table(tmp_path)
     install_disk_multi_head_embedding(store)

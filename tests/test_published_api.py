@@ -18,16 +18,17 @@ import numpy as np
 import pytest
 
 import engramdb
+from engramdb.decode import Decoder
 from engramdb.errors import (
     BackendUnavailable,
     CorruptFile,
     CorruptManifest,
     InvalidArgument,
     RowIdOutOfRange,
+    SourceChanged,
     TableNotFound,
     TruncatedFile,
 )
-from engramdb.read.raw import RawShardTable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,8 +53,8 @@ def test_raw_store_fetch_equals_reference(tmp_path: Path, rows: np.ndarray, rps:
     n = write_raw(tmp_path, rows, rps)
     store = engramdb.Store(str(tmp_path), n, rps, 160)  # positional, as engram-peft calls it
     aligned = n == 1 or (rps * 160) % 4096 == 0
-    assert isinstance(store, engramdb.Store) == aligned
-    assert isinstance(store, (engramdb.Store, RawShardTable))
+    assert isinstance(store, engramdb.Store)  # whatever the geometry
+    assert store.attached == (not aligned)  # unaligned shards: an attached table
     assert store.n_rows == rows.shape[0] and store.width == 160
     ids = [0, 2_899, 999, 1_000, 1_001, 5, 5, 2_000]
     got = store.fetch(ids)
@@ -87,6 +88,77 @@ def test_raw_store_keywords_threads_and_bad_input(tmp_path: Path, rows: np.ndarr
         engramdb.Store(tmp_path, 0, 256, 160)
     with pytest.raises(InvalidArgument):
         engramdb.Store(tmp_path / "nope", 1, 256, 160)
+
+
+def _unaligned(tmp_path: Path, rows: np.ndarray) -> Path:
+    """3 shards of 1,000 rows x 160 B = 160,000 B (not page multiples), the last 900 rows."""
+    write_raw(tmp_path / "u", rows, 1_000)
+    return tmp_path / "u"
+
+
+@pytest.mark.parametrize("backend", ["auto", "preadv", "io_uring", "mmap"])
+@pytest.mark.parametrize("ram_budget", [None, "64K"])
+def test_unaligned_raw_shards_have_every_read_path(
+    tmp_path: Path, rows: np.ndarray, backend: str, ram_budget: str | None
+) -> None:
+    path = _unaligned(tmp_path, rows)
+    try:
+        store = engramdb.Store(
+            path, 3, 1_000, 160, backend=backend, ram_budget=ram_budget, heads=[2_000, 900]
+        )
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    with store:
+        assert isinstance(store, engramdb.Store) and store.attached
+        assert store.n_rows == 2_900 and store.heads.tolist() == [2_000, 900]
+        assert (store.cache is not None) == (ram_budget is not None)
+        ids = np.random.default_rng(3).integers(0, 2_900, 4_000)  # every shard, repeats
+        for _ in range(2):  # cold, then warm / from the RAM tier
+            assert store.fetch(ids).tobytes() == rows[ids].tobytes()
+        out = np.empty((ids.size, 160), np.uint8)
+        assert store.fetch_into(ids, out) is out and out.tobytes() == rows[ids].tobytes()
+        local = np.array([[[999, 899], [1_000, 0], [0, 5]]], np.int64)  # [B, L, H]
+        got = store.lookup_into(local, np.empty((1, 3, 2, 160), np.uint8))
+        assert got.tobytes() == rows[local + np.array([0, 2_000])].tobytes()
+        ticket = store.prefetch([998, 999, 1_000, 2_899])  # the rows read below
+        ticket.wait()
+        assert store.stats()["prefetch"]["submitted"] == 1
+        near = [998, 999, 1_000, 2_899]  # across the shard boundary, and the last row
+        assert store.fetch(near).tobytes() == rows[near].tobytes()
+        if ram_budget is not None:
+            assert store.stats()["cache"]["hits"] > 0
+        with pytest.raises(RowIdOutOfRange):
+            store.fetch([2_900])
+
+
+def test_unaligned_raw_shards_serve_the_decoder_and_check_identity(
+    tmp_path: Path,
+) -> None:
+    h = engramdb.keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+    n = h.table_rows(2)
+    full = np.random.default_rng(5).integers(0, 256, (n, 160), dtype=np.uint8)
+    shards = write_raw(tmp_path / "ple", full, 1_000)
+    toks = np.random.default_rng(6).integers(0, 248_320, 40)
+    expect = full[h.row_ids(toks, layer=2)]
+    with engramdb.Store(tmp_path / "ple", shards, 1_000, 160) as store:
+        assert store.attached and shards > 1
+        dec = Decoder(store, h, prefetch=True)
+        out = np.empty(dec.out_shape, np.uint8)
+        for t in range(toks.size):
+            dec.push(int(toks[t]))
+            dec.fill(out)
+            assert np.array_equal(out, expect[t]), f"step {t}"
+        assert dec.prefetched == toks.size
+    # The shard files' identity is recorded at open, as attach records it: a file replaced
+    # under the same size opens only after it is described again (a new Store).
+    info = engramdb.Store(tmp_path / "ple", shards, 1_000, 160)
+    described = info.info
+    info.close()
+    (full[:1_000] ^ 0xFF).tofile(tmp_path / "ple" / "shard_000.bin")
+    with pytest.raises(SourceChanged, match="shard_000.bin"):
+        engramdb.Store(tmp_path / "ple", described)
+    with engramdb.Store(tmp_path / "ple", shards, 1_000, 160) as again:
+        assert again.fetch([0]).tobytes() == (full[:1] ^ 0xFF).tobytes()
 
 
 def test_store_of_a_built_database_by_table_name(tmp_path: Path, rows: np.ndarray) -> None:
@@ -141,7 +213,7 @@ def test_database_of_raw_tables_fetch_equals_store(tmp_path: Path, rows: np.ndar
         with pytest.raises(RowIdOutOfRange):
             db.fetch(name, [0, -1], shards=n, rows_per_shard=rps, width=w)
     t = db.table("ple", shards=3, rows_per_shard=1_000, width=160)
-    assert isinstance(t, RawShardTable)  # 160,000 B shards: not page multiples
+    assert isinstance(t, engramdb.Store) and t.attached  # 160,000 B shards: not page multiples
     assert db.table("ple", shards=3, rows_per_shard=1_000, width=160) is t  # cached
     small = db.table("small", shards=3, rows_per_shard=256, width=96)
     assert isinstance(small, engramdb.Store) and small.name == "small"

@@ -9,7 +9,8 @@ EngramDB path expects.
 Two modes, chosen at construction:
 
 * **embedding** (float rows, no scale, and the rows ``[0, sum(primes))`` map as one range of
-  the table's files: a built table, or raw shards that are page multiples or one shard):
+  the table's files: a built table, or raw shards that are page multiples, one shard, or
+  whose first shard holds those rows):
   ``.embedding`` is a real ``nn.Embedding`` (``sparse`` as asked) whose ``weight`` is a
   copy-on-write private mapping of the table's files, never a RAM copy. Forward, sparse
   gradients and the ``SparseAdam`` optimizer group of engram-peft work as with the in-memory
@@ -89,6 +90,25 @@ class _Region:
         self.close()
 
 
+def _files_in_row_order(info: Any, root: Path) -> list[tuple[Path, int]]:
+    """``(path, bytes)`` of the files holding the rows in row order, each file's rows from
+    its byte 0 (a built table's shards; an attached table of one column whose runs are whole
+    files at offset 0, e.g. raw row shards); ``[]`` when the rows are not laid out so."""
+    att = info.attached
+    if att is None:
+        return [(root / sh.path, int(sh.bytes)) for sh in info.shards]
+    if len(att.columns) != 1:
+        return []
+    col = att.columns[0]
+    out = []
+    for r in col.runs:
+        f = att.files[r.file]
+        if r.offset != 0 or r.rows * col.width != f.size:
+            return []
+        out.append((Path(f.path), int(f.size)))
+    return out
+
+
 def cow_rows(store: RowTable, n_rows: int) -> np.ndarray | None:
     """Rows ``[0, n_rows)`` of ``store`` as a writable copy-on-write ``[n_rows, row_bytes]``
     uint8 array over its files (no RAM copy; writes stay private to this process), or None
@@ -101,14 +121,14 @@ def cow_rows(store: RowTable, n_rows: int) -> np.ndarray | None:
     paths: list[Path] = []
     sizes: list[int] = []
     covered = 0
-    for sh in info.shards:
+    for path, size in _files_in_row_order(info, Path(root)):
         if covered >= nbytes:
             break
         if covered % PAGE:
-            return None  # the previous shard was not a page multiple
-        paths.append(Path(root) / sh.path)
-        sizes.append(int(sh.bytes))
-        covered += int(sh.bytes)
+            return None  # the previous file was not a page multiple
+        paths.append(path)
+        sizes.append(size)
+        covered += size
     if covered < nbytes:
         return None
     if len(paths) == 1:  # one file: Python's mmap owns the lifetime
