@@ -39,6 +39,17 @@ from engramdb.table_api import RowTable
 from engramdb.validate import check_output
 
 
+def _one_token(token_ids: Any) -> int:
+    """The one token of a single-sequence push (a Python int or a 0-d value)."""
+    if type(token_ids) is int:
+        return token_ids
+    if np.ndim(token_ids) != 0:
+        raise ShapeMismatch(
+            f"a single-sequence decoder takes one token, got shape {np.shape(token_ids)}"
+        )
+    return int(token_ids)
+
+
 class Decoder:
     """Row lookups for one sequence or a fixed batch of sequences, one token per step.
 
@@ -240,42 +251,36 @@ class Decoder:
         if self._single:
             return self._push1(token_ids)
         if self.batch is None:
-            if type(token_ids) is not int:
-                if np.ndim(token_ids) != 0:
-                    raise ShapeMismatch(
-                        "a single-sequence decoder takes one token, got shape "
-                        f"{np.shape(token_ids)}"
-                    )
-                token_ids = int(token_ids)
-            tok: Any = token_ids
-        else:
-            arr = np.asarray(token_ids)
-            if arr.shape != (self.batch,):
-                raise ShapeMismatch(f"expected {self.batch} tokens, got shape {arr.shape}")
-            tok = arr.reshape(self.batch, 1)
-        rows = []
-        for i, st in enumerate(self._streams):
-            r = st.push(tok)
-            if self.batch is not None:
-                r = r.reshape(self.batch, self.n_heads)
-            rows.append(r)
-            self._submit(i, r.reshape(-1))
-        self._rows = rows
-        self._pending_t = None
-        self.steps += 1
-        return rows
+            return self._push_streams(_one_token(token_ids), None, None)
+        arr = np.asarray(token_ids)
+        if arr.shape != (self.batch,):
+            raise ShapeMismatch(f"expected {self.batch} tokens, got shape {arr.shape}")
+        return self._push_streams(arr.reshape(self.batch, 1), (self.batch, self.n_heads), None)
 
     def _push1(self, token_ids: Any) -> list[np.ndarray]:
         if type(token_ids) is not int:
-            if np.ndim(token_ids) != 0:
-                raise ShapeMismatch(
-                    f"a single-sequence decoder takes one token, got shape {np.shape(token_ids)}"
-                )
-            token_ids = int(token_ids)
+            token_ids = _one_token(token_ids)
         r = self._streams[0].push(token_ids)
         self._submit(0, r)
-        rows = self._rows = [r]
-        self._pending_t = None
+        return self._stepped([r], None)
+
+    def _push_streams(
+        self, tok: Any, shape: tuple[int, int] | None, pending_t: int | None
+    ) -> list[np.ndarray]:
+        """Push ``tok`` into every layer's key stream, submit each layer's rows for prefetch
+        (``shape``: the rows' per-step shape) and record the step."""
+        rows = []
+        for i, st in enumerate(self._streams):
+            r = st.push(tok)
+            if shape is not None:
+                r = r.reshape(shape)
+            rows.append(r)
+            self._submit(i, r.reshape(-1))
+        return self._stepped(rows, pending_t)
+
+    def _stepped(self, rows: list[np.ndarray], pending_t: int | None) -> list[np.ndarray]:
+        self._rows = rows
+        self._pending_t = pending_t
         self.steps += 1
         return rows
 
@@ -293,15 +298,7 @@ class Decoder:
         n_tok = int(arr.shape[-1])
         if n_tok == 0:
             raise ShapeMismatch("prefill of zero tokens")
-        rows = []
-        for i, st in enumerate(self._streams):
-            r = st.push(arr)  # [T, H] or [B, T, H]
-            rows.append(r)
-            self._submit(i, r.reshape(-1))
-        self._rows = rows
-        self._pending_t = n_tok
-        self.steps += 1
-        return rows
+        return self._push_streams(arr, None, n_tok)  # [T, H] or [B, T, H] per layer
 
     def _fill1(self, out: np.ndarray, r: np.ndarray) -> np.ndarray:
         if out is not self._last_out:  # engines reuse one buffer: validate it once

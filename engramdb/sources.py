@@ -7,10 +7,9 @@ holds whole rows. Nothing is read here except file headers; the bytes stream lat
 from __future__ import annotations
 
 import fnmatch
-import json
+import math
 import os
 import re
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,30 +18,9 @@ from typing import Any, Union
 import numpy as np
 
 from engramdb.errors import SourceError
+from engramdb.layouts.safetensors import DTYPE_BYTES, Header, header_length, parse_header
 
 SourceLike = Union[str, os.PathLike, np.ndarray]  # noqa: UP007 - used at runtime
-
-#: Byte size of one element for every safetensors dtype (F8 kinds included).
-SAFETENSORS_DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-#: safetensors caps its JSON header at 100 MB; so do we.
-MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -134,41 +112,19 @@ def bin_segment(path: str, row_bytes: int) -> Segment:
     return Segment(label=path, nbytes=size, path=path, offset=0, meta={"file": path})
 
 
-def read_safetensors_header(path: str) -> tuple[int, dict[str, Any]]:
-    """(data_start, {tensor name: {dtype, shape, data_offsets}}) of a safetensors file."""
-    size = _file_size(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SourceError(f"source {path!r} is too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
-            raise SourceError(f"source {path!r}: safetensors header length {n} is invalid")
-        raw = f.read(n)
+def read_safetensors_header(path: str) -> Header:
+    """The validated safetensors header of ``path`` (reads only the header).
+
+    The rules and their `InvalidSafetensors` messages are `layouts.safetensors.parse_header`'s."""
+    _file_size(path)
     try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SourceError(f"source {path!r}: safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise SourceError(f"source {path!r}: safetensors header is not an object")
-    header.pop("__metadata__", None)
-    data_start = 8 + n
-    for name, t in header.items():
-        try:
-            begin, end = (int(x) for x in t["data_offsets"])
-            shape = [int(s) for s in t["shape"]]
-            dtype = str(t["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"source {path!r}: tensor {name!r} has a malformed entry") from None
-        if dtype not in SAFETENSORS_DTYPE_BYTES:
-            raise SourceError(f"source {path!r}: tensor {name!r} has unknown dtype {dtype!r}")
-        want = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_DTYPE_BYTES[dtype]
-        if end - begin != want or begin < 0 or data_start + end > size:
-            raise SourceError(
-                f"source {path!r}: tensor {name!r} offsets [{begin}, {end}) do not match its "
-                f"shape {shape} x {dtype} or the file size"
-            )
-    return data_start, header
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = header_length(f.read(8), size, repr(path))
+            f.seek(0)
+            return parse_header(f.read(8 + n), size, repr(path))
+    except OSError as e:
+        raise SourceError(f"source {path!r} cannot be read: {e}") from None
 
 
 def safetensors_segments(
@@ -183,8 +139,8 @@ def safetensors_segments(
     """
     found: list[tuple[list[Any], Segment]] = []
     for path in paths:
-        data_start, header = read_safetensors_header(path)
-        names = list(header)
+        tensors = read_safetensors_header(path).tensors
+        names = list(tensors)
         if tensor_glob is None:
             if len(names) != 1:
                 raise SourceError(
@@ -193,25 +149,20 @@ def safetensors_segments(
         else:
             names = [n for n in names if fnmatch.fnmatchcase(n, tensor_glob)]
         for name in names:
-            t = header[name]
-            shape, dtype = t["shape"], t["dtype"]
-            per_row = (
-                int(np.prod(shape[1:], dtype=np.int64)) * SAFETENSORS_DTYPE_BYTES[dtype]
-                if shape
-                else 0
-            )
+            t = tensors[name]
+            shape, dtype = list(t.shape), t.dtype
+            per_row = math.prod(shape[1:]) * DTYPE_BYTES[dtype] if shape else 0
             if per_row != row_bytes:
                 raise SourceError(
                     f"source {path!r}: tensor {name!r} {shape} x {dtype} gives {per_row} B per "
                     f"row, expected row_bytes={row_bytes}"
                 )
-            begin, end = t["data_offsets"]
             seg = Segment(
                 label=f"{path}:{name}",
-                nbytes=end - begin,
+                nbytes=t.nbytes,
                 path=path,
-                offset=data_start + begin,
-                meta={"file": path, "tensor": name, "dtype": dtype, "shape": list(shape)},
+                offset=t.offset,
+                meta={"file": path, "tensor": name, "dtype": dtype, "shape": shape},
             )
             found.append((natural_key(name) + [path], seg))
     if tensor_glob is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -141,3 +142,17 @@ def check_head_bounds(local: np.ndarray, heads: np.ndarray) -> None:
         f"row id {int(flat[pos])} at position {tuple(int(i) for i in idx)} is out of range for "
         f"head {head} ([0, {int(heads[head])}))"
     )
+
+
+def record_id(i: Any, n_records: int) -> int:
+    """``i`` as a record index in ``[0, n_records)``: `InvalidDtype` for a non-integer (a bool
+    included), `RowIdOutOfRange` outside the view."""
+    if isinstance(i, (bool, np.bool_)):
+        raise InvalidDtype(f"record id must be an integer, got {i!r}")
+    try:
+        j = operator.index(i)
+    except TypeError:
+        raise InvalidDtype(f"record id must be an integer, got {i!r}") from None
+    if not 0 <= j < n_records:
+        raise RowIdOutOfRange(f"record id {j} is out of range [0, {n_records})")
+    return j

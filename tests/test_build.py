@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import engramdb
-from engramdb.errors import InvalidArgument, SourceError, TableExists
+from engramdb.errors import InvalidArgument, InvalidSafetensors, SourceError, TableExists
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
@@ -211,3 +211,18 @@ def test_geometry_badges_tile_pages() -> None:
     assert g.rows_per_shard % g.rows_per_badge == 0 and g.shard_bytes % (2 << 20) == 0
     shard, off = g.locate(np.array([0, g.rows_per_shard, g.rows_per_shard + 3]))
     assert shard.tolist() == [0, 1, 1] and off.tolist() == [0, 0, 480]
+
+
+def test_build_reads_safetensors_by_the_attach_rules(tmp_path: Path) -> None:
+    """build's sources parse headers with the one parser attach uses: overlapping tensors
+    are refused with `InvalidSafetensors` (a `SourceError`) naming both."""
+    header = json.dumps(
+        {
+            "a": {"dtype": "U8", "shape": [2, 4], "data_offsets": [0, 8]},
+            "b": {"dtype": "U8", "shape": [2, 4], "data_offsets": [4, 12]},
+        }
+    ).encode()
+    path = tmp_path / "o.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 12)
+    with pytest.raises(InvalidSafetensors, match="'a' and 'b' overlap"):
+        engramdb.build(tmp_path / "db", "t", 4, [path], tensor="*")

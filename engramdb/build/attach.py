@@ -42,9 +42,10 @@ from engramdb.layouts.manifest import (
     TableInfo,
     check_table_name,
 )
-from engramdb.layouts.safetensors import Header, TensorEntry, header_length, parse_header
+from engramdb.layouts.safetensors import TensorEntry
 from engramdb.read.attached import SourceSegments
 from engramdb.sources import natural_key
+from engramdb.sources import read_safetensors_header as read_header
 
 __all__ = ["AttachSummary", "attach", "preset_tables"]
 
@@ -68,18 +69,6 @@ class AttachSummary:
     files: int
     seconds: float
     path: str
-
-
-def read_header(path: str) -> Header:
-    """The validated safetensors header of ``path`` (reads only the header)."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            n = header_length(f.read(8), size, repr(path))
-            f.seek(0)
-            return parse_header(f.read(8 + n), size, repr(path))
-    except OSError as e:
-        raise SourceError(f"source {path!r} cannot be read: {e}") from None
 
 
 def _expand(files: Sequence[str | os.PathLike[str]]) -> list[str]:

@@ -80,6 +80,9 @@ def progress_bar(quiet: bool, label: str, total: int) -> Any:
 #: ``--quiet`` / ``-q``: hide the progress bar.
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 
+#: ``--force``: replace a table that exists (the table writers: build, attach).
+force_option = click.option("--force", is_flag=True, help="Replace the table if it exists.")
+
 
 class LazyBar(Closing):
     """A click progress bar (on stderr) opened at the first report, once the total is known.

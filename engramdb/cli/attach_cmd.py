@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
 from engramdb.build.attach import attach, preset_tables
-from engramdb.cli._common import int_list, library_errors
+from engramdb.cli._common import force_option, int_list, library_errors, progress_bar, quiet_option
 from engramdb.units import format_bytes
 
 
@@ -45,8 +44,8 @@ from engramdb.units import format_bytes
 @click.option("--heads", default=None, help="Rows per head, comma-separated.")
 @click.option("--dtype", default=None, help="Dtype hint (default from the tensors).")
 @click.option("--checksum", is_flag=True, help="Also hash every 64 MiB block of every file.")
-@click.option("--force", is_flag=True, help="Replace the table if it exists.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@force_option
+@quiet_option
 @library_errors
 def attach_cmd(
     db: str,
@@ -83,9 +82,7 @@ def attach_cmd(
             }
         ]
     total = sum(os.stat(f).st_size for f in files) if checksum else 0
-    with click.progressbar(
-        length=total, label="hashing", hidden=quiet or not checksum, file=sys.stderr
-    ) as bar:
+    with progress_bar(quiet or not checksum, "hashing", total) as bar:
         for job in jobs:
             s = attach(
                 db,

@@ -5,6 +5,7 @@ import click
 from engramdb.build import build
 from engramdb.cli._common import (
     echo_summaries,
+    force_option,
     int_list,
     library_errors,
     progress_bar,
@@ -49,7 +50,7 @@ from engramdb.units import parse_size
 )
 @click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
 @click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
-@click.option("--force", is_flag=True, help="Replace the table if it exists.")
+@force_option
 @click.option(
     "--warm",
     is_flag=True,

@@ -7,7 +7,14 @@ from pathlib import Path
 import click
 
 from engramdb.build.index import DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
-from engramdb.cli._common import LazyBar, echo_summaries, library_errors, quiet_option, shown_option
+from engramdb.cli._common import (
+    LazyBar,
+    echo_summaries,
+    file_option,
+    library_errors,
+    quiet_option,
+    shown_option,
+)
 from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
 
@@ -53,10 +60,8 @@ def _preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
     help="DeepSeek: token id that starts a new sequence (Qwen splits at EOS itself).",
 )
 @click.option("--compressed", is_flag=True, help="DeepSeek: the corpus holds compressed ids.")
-@click.option(
-    "--token-map",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="DeepSeek: frozen compression map (.npy) for raw token ids.",
+@file_option(
+    "--token-map", "token_map", "DeepSeek: frozen compression map (.npy) for raw token ids."
 )
 @shown_option(
     "--chunk-tokens",

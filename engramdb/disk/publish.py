@@ -223,19 +223,10 @@ def leftovers(db: Path, manifest: Manifest) -> list[tuple[str, int]]:
     directory, unreferenced generation, view staging directory and manifest temp file (the
     traces of killed or finished writers). Symlinks are neither followed nor listed."""
     db = Path(db)
-    referenced = _referenced_generations(manifest)
-    found: list[Path] = []
-    for tdir in _real_dirs(db):
-        if tdir.name.startswith("."):
-            continue
-        for gen in _real_dirs(tdir):
-            if gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX):
-                if f"{tdir.name}/{gen.name}" not in referenced:
-                    found.append(gen)
-        for st in _real_dirs(tdir / "views"):
-            if st.name.startswith(STAGING_PREFIX):
-                found.append(st)
-    found.extend(p for p in db.glob(f".{MANIFEST_NAME}.tmp-*") if not p.is_symlink())
+    found = _stale_generations(db, manifest)
+    for tdir in _table_dirs(db):
+        found.extend(st for st in _real_dirs(tdir / "views") if st.name.startswith(STAGING_PREFIX))
+    found.extend(_manifest_temps(db))
     return [(str(p.relative_to(db)), _tree_bytes(p)) for p in sorted(found)]
 
 
@@ -274,20 +265,36 @@ def _referenced_generations(manifest: Manifest) -> set[str]:
     return referenced
 
 
-def _collect_table_garbage(db: Path, manifest: Manifest) -> None:
+def _table_dirs(db: Path) -> list[Path]:
+    """The table directories of ``db`` (real directories, not hidden)."""
+    return [d for d in _real_dirs(db) if not d.name.startswith(".")]
+
+
+def _stale_generations(db: Path, manifest: Manifest) -> list[Path]:
+    """Generation and staging directories of every table that ``manifest`` does not name."""
     referenced = _referenced_generations(manifest)
-    for tdir in _real_dirs(db):
-        if tdir.name.startswith("."):
-            continue
-        for gen in _real_dirs(tdir):
-            if gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX):
-                if f"{tdir.name}/{gen.name}" not in referenced:
-                    _remove_tree(gen)
+    return [
+        gen
+        for tdir in _table_dirs(db)
+        for gen in _real_dirs(tdir)
+        if (gen.name.startswith("g-") or gen.name.startswith(STAGING_PREFIX))
+        and f"{tdir.name}/{gen.name}" not in referenced
+    ]
+
+
+def _manifest_temps(db: Path) -> list[Path]:
+    """Manifest temp files killed writers left (symlinks excluded)."""
+    return [p for p in db.glob(f".{MANIFEST_NAME}.tmp-*") if not p.is_symlink()]
+
+
+def _collect_table_garbage(db: Path, manifest: Manifest) -> None:
+    for gen in _stale_generations(db, manifest):
+        _remove_tree(gen)
+    for tdir in _table_dirs(db):
         if tdir.name not in manifest.tables and not any(tdir.iterdir()):
             tdir.rmdir()
-    for tmp in db.glob(f".{MANIFEST_NAME}.tmp-*"):
-        if not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
+    for tmp in _manifest_temps(db):
+        tmp.unlink(missing_ok=True)
 
 
 def _collect_view_garbage(db: Path, manifest: Manifest) -> None:

@@ -78,6 +78,27 @@ def mincore(addr: int, length: int, vec: int) -> None:
         raise OSError(e, f"mincore: {os.strerror(e)}")
 
 
+def range_pages(addr: int, length: int) -> tuple[int, int]:
+    """``(resident, total)`` pages under ``[addr, addr + length)`` of a live mapping (one
+    ``mincore`` over the page-aligned span; ``(0, 0)`` for an empty range)."""
+    if length <= 0:
+        return 0, 0
+    start = addr & ~(PAGE - 1)
+    pages = -(-(addr + length - start) // PAGE)
+    vec = np.zeros(pages, dtype=np.uint8)
+    mincore(start, pages * PAGE, vec.ctypes.data)
+    return int(np.count_nonzero(vec & 1)), pages
+
+
+def address_view(addr: int, nbytes: int) -> np.ndarray:
+    """A read-only flat uint8 array over ``nbytes`` bytes of a live mapping at ``addr`` (no
+    copy; valid while the mapping is)."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
+    arr.flags.writeable = False
+    return arr
+
+
 def populate_range(addr: int, length: int) -> None:
     """Fill the page tables for ``[addr, addr + length)`` of a live mapping (reads cold pages
     at device speed; blocks, the GIL released): ``MADV_POPULATE_READ`` (Linux 5.14+), else
@@ -160,10 +181,7 @@ class ShardMapping:
             raise InvalidArgument(f"{n_rows} rows x {row_bytes} B exceed the mapping")
         if nbytes == 0:
             return np.zeros((n_rows, row_bytes), dtype=np.uint8)
-        buf = (ctypes.c_uint8 * nbytes).from_address(self.address)
-        arr = np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(n_rows, row_bytes)
-        arr.flags.writeable = False
-        return arr
+        return address_view(self.address, nbytes).reshape(n_rows, row_bytes)
 
     def populate(
         self,

@@ -27,10 +27,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from engramdb.errors import InvalidArgument, MemoryLockRefused
-from engramdb.io.mapping import LIBC, MADV_DONTNEED, madvise, mincore, populate_range
+from engramdb.io.mapping import LIBC, MADV_DONTNEED, madvise, populate_range, range_pages
 from engramdb.io.residency import resident_count
 from engramdb.layouts.geometry import PAGE
 from engramdb.units import parse_size
@@ -110,12 +108,7 @@ def page_cache_budget(value: int | str | None = None) -> int:
 
 def range_residency(addr: int, length: int) -> int:
     """Resident page-cache pages of ``[addr, addr + length)`` inside a live mapping."""
-    if length <= 0:
-        return 0
-    pages = -(-length // PAGE)
-    vec = np.zeros(pages, dtype=np.uint8)
-    mincore(addr & ~(PAGE - 1), pages * PAGE, vec.ctypes.data)
-    return int(np.count_nonzero(vec & 1))
+    return range_pages(addr, length)[0]
 
 
 # -- this process's memory ------------------------------------------------------------------

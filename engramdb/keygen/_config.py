@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
+from engramdb.keygen._arith import deepseek_multipliers
+from engramdb.keygen.tokenmap import TokenMap
 
 __all__ = [
     "MISSING",
@@ -17,6 +19,8 @@ __all__ = [
     "PRIME_KEYS",
     "Config",
     "check_constant_layers",
+    "compressed_vocab",
+    "deepseek_mult",
     "frozen_constants",
     "identity",
     "oov_message",
@@ -148,3 +152,54 @@ def check_constant_layers(constants: Mapping[Any, Any] | None, layers: Sequence[
             ok = False
         if not ok:
             raise InvalidArgument(f"constants given for layer {key!r}, layers are {list(layers)}")
+
+
+def compressed_vocab(
+    token_map: Any,
+    cfg_vc: int | None,
+    pad_raw: int,
+    pad_c: int | None,
+    *,
+    compress: bool = True,
+) -> tuple[TokenMap | None, int | None, int | None]:
+    """``(token map, V_c, compressed pad id)`` from the caller's token map and pad id and the
+    config's ``compressed_vocab_size``: the map decides V_c and the pad (a config or caller
+    value that disagrees is refused); with ``compress`` off the pad is hashed raw."""
+    tmap = None if token_map is None else TokenMap.coerce(token_map)
+    vocab_c = cfg_vc
+    if tmap is not None:
+        if cfg_vc is not None and cfg_vc != tmap.compressed_vocab_size:
+            # The multipliers derive from V_c; every reference refuses to start on a mismatch.
+            raise InvalidArgument(
+                f"token map compresses to {tmap.compressed_vocab_size} ids but the config says "
+                f"compressed_vocab_size {cfg_vc}"
+            )
+        vocab_c = tmap.compressed_vocab_size
+        if pad_raw >= len(tmap):
+            raise InvalidArgument(f"pad id {pad_raw} is outside the token map ({len(tmap)} ids)")
+        mapped = int(tmap.table[pad_raw])
+        if pad_c is not None and pad_c != mapped:
+            raise InvalidArgument(
+                f"compressed pad id {pad_c} differs from the token map's {mapped} for pad {pad_raw}"
+            )
+        pad_c = mapped
+    elif not compress:
+        if pad_c is not None and pad_c != pad_raw:
+            raise InvalidArgument(
+                f"compression is off, so the pad is hashed raw ({pad_raw}), not {pad_c}"
+            )
+        pad_c = pad_raw
+    if pad_c is not None and vocab_c is not None and not 0 <= pad_c < vocab_c:
+        raise InvalidArgument(f"compressed pad id {pad_c} is outside [0, {vocab_c})")
+    return tmap, vocab_c, pad_c
+
+
+def deepseek_mult(
+    entry: Mapping[str, Any], seed: int, layer: int, n_max: int, vocab_c: int | None
+) -> Any:
+    """A layer's multipliers: the frozen ones, else the DeepSeek derivation from V_c; None
+    while V_c is unknown (the hasher then refuses until it is)."""
+    mult = pick(entry, MULT_KEYS)
+    if mult is None and vocab_c is not None:
+        mult = deepseek_multipliers(seed, layer, n_max, vocab_c)
+    return mult

@@ -16,7 +16,6 @@ import numpy as np
 from engramdb.errors import InvalidArgument, ShapeMismatch, TokenIdOutOfRange
 from engramdb.keygen._arith import (
     consecutive_primes,
-    deepseek_multipliers,
     deepseek_primes,
     qwen_multipliers,
 )
@@ -26,6 +25,8 @@ from engramdb.keygen._config import (
     PRIME_KEYS,
     Config,
     check_constant_layers,
+    compressed_vocab,
+    deepseek_mult,
     frozen_constants,
     identity,
     oov_message,
@@ -186,41 +187,18 @@ def build_deepseek(
         )
     check_constant_layers(constants, layer_ids)
 
-    tmap = None if token_map is None else TokenMap.coerce(token_map)
-    vocab_c = cfg_vc
-    if tmap is not None:
-        if cfg_vc is not None and cfg_vc != tmap.compressed_vocab_size:
-            # The multipliers derive from V_c; every reference refuses to start on a mismatch.
-            raise InvalidArgument(
-                f"token map compresses to {tmap.compressed_vocab_size} ids but the config says "
-                f"compressed_vocab_size {cfg_vc}"
-            )
-        vocab_c = tmap.compressed_vocab_size
-        if pad_raw >= len(tmap):
-            raise InvalidArgument(f"pad id {pad_raw} is outside the token map ({len(tmap)} ids)")
     pad_c = compressed_pad_id if compressed_pad_id is not None else cfg_pad_c
-    if tmap is not None:
-        mapped = int(tmap.table[pad_raw])
-        if pad_c is not None and pad_c != mapped:
-            raise InvalidArgument(
-                f"compressed pad id {pad_c} differs from the token map's {mapped} for pad {pad_raw}"
-            )
-        pad_c = mapped
-    if pad_c is not None and vocab_c is not None and not 0 <= pad_c < vocab_c:
-        raise InvalidArgument(f"compressed pad id {pad_c} is outside [0, {vocab_c})")
+    tmap, vocab_c, pad_c = compressed_vocab(token_map, cfg_vc, pad_raw, pad_c)
 
     derived_primes = deepseek_primes(layer_ids, bases, heads)
     tables: dict[int, LayerTables] = {}
     missing_mult = False
     for i, layer in enumerate(layer_ids):
         entry = frozen_constants(constants, layer)
-        mult = pick(entry, MULT_KEYS)
+        mult = deepseek_mult(entry, seed, layer, max_ngram, vocab_c)
         if mult is None:
-            if vocab_c is None:
-                missing_mult = True
-                mult = [1] * max_ngram  # placeholder; multipliers() refuses until V_c is known
-            else:
-                mult = deepseek_multipliers(seed, layer, max_ngram, vocab_c)
+            missing_mult = True
+            mult = [1] * max_ngram  # placeholder; multipliers() refuses until V_c is known
         primes = pick(entry, PRIME_KEYS)
         lt = LayerTables.build(
             layer,

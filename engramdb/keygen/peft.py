@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument
-from engramdb.keygen._arith import INT64_MAX, deepseek_multipliers, deepseek_primes, wrap_int64
+from engramdb.keygen._arith import INT64_MAX, deepseek_primes, wrap_int64
 from engramdb.keygen._config import (
-    MULT_KEYS,
     OFFSET_KEYS,
     PRIME_KEYS,
     Config,
     check_constant_layers,
+    compressed_vocab,
+    deepseek_mult,
     frozen_constants,
     identity,
     pick,
@@ -41,7 +42,6 @@ from engramdb.keygen._config import (
 )
 from engramdb.keygen._tables import LayerTables, check_range, to_int64
 from engramdb.keygen.kinds import DeepSeekHasher
-from engramdb.keygen.tokenmap import TokenMap
 
 __all__ = ["KIND", "PeftHasher", "build_peft", "config_dict"]
 
@@ -189,49 +189,23 @@ def build_peft(
     check_constant_layers(constants, layer_ids)
     n_max = max(orders)
 
-    tmap = None if token_map is None else TokenMap.coerce(token_map)
-    vocab_c = cfg_vc
-    pad_c = compressed_pad_id
-    if tmap is not None:
-        if not compress:
-            raise InvalidArgument(
-                f"{KIND} config has enable_tokenizer_compression=False: drop token_map"
-            )
-        if cfg_vc is not None and cfg_vc != tmap.compressed_vocab_size:
-            raise InvalidArgument(
-                f"token map compresses to {tmap.compressed_vocab_size} ids but the config says "
-                f"compressed_vocab_size {cfg_vc}"
-            )
-        vocab_c = tmap.compressed_vocab_size
-        if pad_raw >= len(tmap):
-            raise InvalidArgument(f"pad id {pad_raw} is outside the token map ({len(tmap)} ids)")
-        mapped = int(tmap.table[pad_raw])
-        if pad_c is not None and pad_c != mapped:
-            raise InvalidArgument(
-                f"compressed pad id {pad_c} differs from the token map's {mapped} for pad {pad_raw}"
-            )
-        pad_c = mapped
-    elif not compress:
-        if pad_c is not None and pad_c != pad_raw:
-            raise InvalidArgument(
-                f"compression is off, so the pad is hashed raw ({pad_raw}), not {pad_c}"
-            )
-        pad_c = pad_raw
-    if pad_c is not None and vocab_c is not None and not 0 <= pad_c < vocab_c:
-        raise InvalidArgument(f"compressed pad id {pad_c} is outside [0, {vocab_c})")
+    if token_map is not None and not compress:
+        raise InvalidArgument(
+            f"{KIND} config has enable_tokenizer_compression=False: drop token_map"
+        )
+    tmap, vocab_c, pad_c = compressed_vocab(
+        token_map, cfg_vc, pad_raw, compressed_pad_id, compress=compress
+    )
 
     derived = deepseek_primes(sorted(layer_ids), [t // heads for t in totals], heads)
     tables: dict[int, LayerTables] = {}
     missing_mult = False
     for layer in layer_ids:
         entry = frozen_constants(constants, layer)
-        mult = pick(entry, MULT_KEYS)
+        mult = deepseek_mult(entry, seed, layer, n_max, vocab_c)
         if mult is None:
-            if vocab_c is None:
-                missing_mult = True
-                mult = [1] * n_max  # placeholder; the hasher refuses until V_c is known
-            else:
-                mult = deepseek_multipliers(seed, layer, n_max, vocab_c)
+            missing_mult = True
+            mult = [1] * n_max  # placeholder; the hasher refuses until V_c is known
         primes = pick(entry, PRIME_KEYS)
         tables[layer] = LayerTables.build(
             layer,

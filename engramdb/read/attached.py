@@ -20,7 +20,6 @@ once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +30,11 @@ from engramdb.errors import StoreClosed, TruncatedFile
 from engramdb.io.gather import take_rows
 from engramdb.io.mapping import (
     MADV_RANDOM,
+    address_view,
     madvise,
     map_range,
-    mincore,
     populate_range,
+    range_pages,
     unmap_range,
 )
 from engramdb.layouts.geometry import PAGE
@@ -42,13 +42,6 @@ from engramdb.layouts.manifest import TableInfo
 from engramdb.read.plan import ReadPlan
 
 __all__ = ["SourceSegments"]
-
-
-def _view(addr: int, nbytes: int) -> np.ndarray:
-    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-    arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
-    arr.flags.writeable = False
-    return arr
 
 
 class _Column:
@@ -134,7 +127,7 @@ class SourceSegments:
                 if size:
                     self._maps.append((addr, span))
                     madvise(addr, size, MADV_RANDOM)
-                self.files.append(_view(addr, size) if size else np.zeros(0, np.uint8))
+                self.files.append(address_view(addr, size) if size else np.zeros(0, np.uint8))
         except BaseException:
             self.close()
             raise
@@ -306,12 +299,9 @@ class SourceSegments:
             raise StoreClosed(f"table {self.name!r} is closed")
         total = hit = 0
         for a, n in self._ranges():
-            start = a & ~(PAGE - 1)
-            pages = -(-(a + n - start) // PAGE)
-            vec = np.zeros(pages, dtype=np.uint8)
-            mincore(start, pages * PAGE, vec.ctypes.data)
+            have, pages = range_pages(a, n)
             total += pages
-            hit += int(np.count_nonzero(vec & 1))
+            hit += have
         return hit / total if total else 1.0
 
     def close(self) -> None:

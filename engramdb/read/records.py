@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import mmap
-import operator
 import os
 import threading
 from pathlib import Path
@@ -28,8 +27,6 @@ from engramdb.errors import (
     CorruptFile,
     EngramDBError,
     InvalidArgument,
-    InvalidDtype,
-    RowIdOutOfRange,
     StaleView,
     StoreClosed,
     TableNotFound,
@@ -59,7 +56,7 @@ from engramdb.layouts.view import (
 )
 from engramdb.read.cache import BufferPool
 from engramdb.table_api import Closing
-from engramdb.validate import as_rowids, check_bounds, check_output
+from engramdb.validate import as_rowids, check_bounds, check_output, record_id
 
 __all__ = ["KeyIndex", "RecordFile", "Scratch", "find_entry", "read_header_page"]
 
@@ -327,14 +324,7 @@ class RecordFile(Closing):
 
     def _read_record_slow(self, i: Any) -> bytes:
         self._check_open()
-        if isinstance(i, (bool, np.bool_)):
-            raise InvalidDtype(f"record id must be an integer, got {i!r}")
-        try:
-            j = operator.index(i)
-        except TypeError:
-            raise InvalidDtype(f"record id must be an integer, got {i!r}") from None
-        if not 0 <= j < self.n_records:
-            raise RowIdOutOfRange(f"record id {j} is out of range [0, {self.n_records})")
+        j = record_id(i, self.n_records)
         return self.read_record(j)
 
     def read_records(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import operator
 import os
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,13 @@ from engramdb.errors import (
     CorruptFile,
     CorruptManifest,
     InvalidArgument,
-    InvalidDtype,
-    RowIdOutOfRange,
     ShapeMismatch,
     StoreClosed,
     TruncatedFile,
 )
 from engramdb.io.gather import take_rows
 from engramdb.layouts.keys import default_key_hash, match_keys
-from engramdb.validate import as_rowids, check_bounds, check_output
+from engramdb.validate import as_rowids, check_bounds, check_output, record_id
 
 __all__ = ["RAW_VIEW_MANIFEST", "RawSlotFile", "raw_view_manifest"]
 
@@ -158,14 +155,7 @@ class RawSlotFile:
     def read_record(self, i: int) -> bytes:
         """Record ``i`` as ``record_bytes`` bytes (`RowIdOutOfRange` outside the view)."""
         records = self._check_open()
-        if isinstance(i, (bool, np.bool_)):
-            raise InvalidDtype(f"record id must be an integer, got {i!r}")
-        try:
-            j = operator.index(i)
-        except TypeError:
-            raise InvalidDtype(f"record id must be an integer, got {i!r}") from None
-        if not 0 <= j < self.n_records:
-            raise RowIdOutOfRange(f"record id {j} is out of range [0, {self.n_records})")
+        j = record_id(i, self.n_records)
         return records[j].tobytes()
 
     def read_records(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:

@@ -30,6 +30,7 @@ from engramdb.io.mapping import (
     map_range,
     mincore,
     populate_range,
+    range_pages,
     unmap_range,
 )
 from engramdb.layouts.geometry import PAGE
@@ -85,11 +86,8 @@ def mapped_residency(view: np.ndarray) -> float:
     """Fraction (0..1) of the pages under a mapped numpy view that are resident."""
     if view.nbytes == 0:
         return 1.0
-    addr, length = _view_range(view)
-    n = -(-length // PAGE)
-    vec = np.zeros(n, dtype=np.uint8)
-    mincore(addr, length, vec.ctypes.data)
-    return float(np.count_nonzero(vec & 1)) / n
+    have, n = range_pages(*_view_range(view))
+    return float(have) / n
 
 
 def file_residency(
@@ -114,13 +112,11 @@ def file_residency(
             span = min(step, end - start)
             addr = map_range(fd, start, span)
             try:
-                n = -(-span // PAGE)
-                vec = np.zeros(n, dtype=np.uint8)
-                mincore(addr, span, vec.ctypes.data)
+                have, n = range_pages(addr, span)
             finally:
                 unmap_range(addr, span)
             total += n
-            resident += int(np.count_nonzero(vec & 1))
+            resident += have
         return resident / total
 
 
