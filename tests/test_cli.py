@@ -110,3 +110,35 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "M rows/s" in r.stdout and "engramdb info" in r.stdout
     shutil.rmtree(tmp_path / "demo")
+
+
+# Extras a user may not have: the README's first command (`pip install -e .`) installs none.
+OPTIONAL = (
+    "torch",
+    "safetensors",
+    "pyarrow",
+    "mooncake",
+    "engram_peft",
+    "tokenizers",
+    "transformers",
+)
+
+
+def test_demo_needs_only_the_core_dependencies(tmp_path: Path) -> None:
+    """The README's main job (`pip install -e . && engramdb demo`) with every optional
+    package made unimportable: it runs on the core install alone."""
+    code = f"""
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {OPTIONAL!r}:
+            raise ImportError(f"blocked optional dependency {{name}}")
+        return None
+sys.meta_path.insert(0, _Block())
+from engramdb.cli import main
+main(["demo", {str(tmp_path / "demo")!r}, "--seconds", "0.2"])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "M rows/s" in r.stdout
+    shutil.rmtree(tmp_path / "demo", ignore_errors=True)
