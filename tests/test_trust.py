@@ -502,3 +502,41 @@ def test_publish_without_a_master_fails_within_seconds(db_factory: Any) -> None:
     assert res.exit_code != 0 and elapsed < 10, (elapsed, res.output)
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "not reachable" in lines[0] and f":{port}" in lines[0], lines
+
+
+def test_hostile_index_sizes_are_capped_before_allocating(tmp_path: Path) -> None:
+    """Declared sizes that agree with each other but not with the file or the table (a
+    10^12-key index in a few bytes, more hot rows than the table has) are refused before a
+    byte is inflated."""
+    import json
+
+    from test_index import make_db
+
+    from engramdb.errors import CorruptFile
+    from engramdb.read.index import load_index
+
+    db = make_db(tmp_path / "db", {"ple": 88})
+    d = db / "ple" / "index"
+    d.mkdir(parents=True)
+    import xxhash
+    import zstandard
+
+    blob = zstandard.ZstdCompressor().compress(b"")  # a valid frame of 0 raw bytes
+    (d / "hot.zst").write_bytes(blob)
+    (d / "keys.zst").write_bytes(blob)
+
+    def meta(n_hot: int, n_keys: int) -> dict[str, Any]:
+        part = {"bytes": len(blob), "xxh3_64": xxhash.xxh3_64_hexdigest(blob)}
+        return {
+            "format": "engramdb-index",
+            "version": 1,
+            "hot": {"file": "hot.zst", "raw_bytes": 16 * n_hot, "rows": n_hot, **part},
+            "keys": {
+                "file": "keys.zst", "raw_bytes": 32 * n_keys, "keys": n_keys, "width": 3, **part
+            },
+        }
+
+    for doc, field in [(meta(89, 0), "hot.rows"), (meta(0, 10**12), "keys.raw_bytes")]:
+        (d / "index.json").write_text(json.dumps(doc))
+        with pytest.raises(CorruptFile, match=field):
+            load_index(db, "ple")
