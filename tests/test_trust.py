@@ -240,6 +240,115 @@ def _valid_manifest_doc(db: Path) -> dict[str, Any]:
     return json.loads((db / "manifest.json").read_text())
 
 
+def _with_views(db: Path) -> dict[str, Any]:
+    """The manifest of ``db`` with a real rows view ``v`` of table ``t`` and a key view ``k``
+    derived from it (the entry only: parsing reads no file)."""
+    from engramdb.layouts.view import key_index_bytes
+
+    rows = np.stack([np.arange(0, 300), 600 + np.arange(0, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    doc = _valid_manifest_doc(db)
+    v = doc["tables"]["t"]["views"]["v"]
+    k = {**v, "source": "keys", "rows": None, "key_width": 2, "key_hash": "xxh64"}
+    k["index"] = {
+        "path": "t/views/k.keys",
+        "bytes": key_index_bytes(v["slots"], 2),
+        "xxh3_64": "0123456789abcdef",
+        "blocks": [],
+    }
+    k["hasher"] = {
+        "preset": None,
+        "name": "custom",
+        "kind": "x",
+        "layer": 0,
+        "max_ngram": 2,
+        "n_heads": 2,
+        "fingerprint": "0123456789abcdef",
+    }
+    doc["tables"]["t"]["views"]["k"] = k
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("view", "key", "value", "field"),
+    [
+        ("v", "provenance", [1], "provenance"),
+        ("v", "provenance", 3, "provenance"),
+        ("v", "budget_bytes", "9", "budget_bytes"),
+        ("v", "slots", 2**40, "slots"),
+        ("v", "slots", True, "slots"),
+        ("v", "record_bytes", 1.0, "record_bytes"),
+        ("v", "rows_per_record", 3, "record_bytes"),
+        ("v", "key_width", 4, "key_width"),
+        ("v", "file.path", "t/views/\0x", "path"),
+        ("v", "file.path", "t/views/", "path"),
+        ("v", "file.path", "t/views/./x", "path"),
+        ("v", "file.path", "t/views/a/b", "path"),
+        ("v", "file.path", 5, "path"),
+        ("v", "file.blocks", None, "blocks"),
+        ("v", "file.bytes", "4096", "bytes"),
+        ("v", "rows", 7, "rows"),
+        ("v", "source", ["rows"], "source"),
+        ("v", "build_id", 12, "build_id"),
+        ("k", "hasher", [1], "hasher"),
+        ("k", "hasher", None, "hasher"),
+        ("k", "hasher.preset", ["x"], "hasher.preset"),
+        ("k", "hasher.fingerprint", 7, "hasher.fingerprint"),
+        ("k", "key_width", 0, "key_width"),
+        ("k", "key_width", 99, "key_width"),
+        ("k", "key_hash", {}, "key_hash"),
+        ("k", "index.path", "/etc/passwd", "path"),
+    ],
+)
+def test_hostile_view_entry_values(
+    db_factory: Any, view: str, key: str, value: Any, field: str
+) -> None:
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+    from engramdb.layouts.view import parse_views
+
+    db, _ = db_factory({"t": (32, (600, 400))})
+    doc = _with_views(db)
+    info = parse_manifest(json.dumps(doc)).tables["t"]
+    assert set(parse_views(info)) == {"v", "k"}  # the unmutated entries parse
+    entry = doc["tables"]["t"]["views"][view]
+    *parents, last = key.split(".")
+    for part in parents:
+        entry = entry[part]
+    entry[last] = value
+    info = parse_manifest(json.dumps(doc)).tables["t"]
+    with pytest.raises(CorruptManifest, match=field.replace(".", r"\.")):
+        parse_views(info)
+
+
+def test_view_header_disagreeing_with_the_manifest_names_the_field(db_factory: Any) -> None:
+    """A view file whose header page (sealed with a valid checksum) disagrees with its
+    manifest entry on rows per record or key width is refused, naming the field."""
+    import struct
+
+    import xxhash
+
+    from engramdb.errors import CorruptFile
+    from engramdb.layouts.view import CHECKSUM_AT
+
+    db, _ = db_factory({"t": (32, (600, 400))})
+    rows = np.stack([np.arange(0, 300), 600 + np.arange(0, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    entry = _valid_manifest_doc(db)["tables"]["t"]["views"]["v"]
+    path = db / entry["file"]["path"]
+    page = bytearray(path.read_bytes()[:4096])
+    # key_width sits after layer (q) in "<8sIIQQQIIQQqII..."
+    off = struct.calcsize("<8sIIQQQIIQQq")
+    struct.pack_into("<I", page, off, 3)
+    struct.pack_into("<Q", page, CHECKSUM_AT, xxhash.xxh3_64_intdigest(bytes(page[:CHECKSUM_AT])))
+    with open(path, "r+b") as f:
+        f.write(page)
+    with engramdb.open(db) as opened, pytest.raises(CorruptFile, match="key_width"):
+        opened["t"].view("v")
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [
@@ -312,9 +421,10 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
 
     from engramdb.errors import CorruptManifest
     from engramdb.layouts.manifest import parse_manifest
+    from engramdb.layouts.view import parse_views
 
     db, _ = db_factory({"t": (32, (600, 400)), "u": (24, (50,))})
-    base = _valid_manifest_doc(db)
+    base = _with_views(db)
     r = np.random.default_rng(8)
     values: list[Any] = [
         None,
@@ -350,11 +460,14 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
         return out
 
     paths = nodes(base)[1:]
+    in_views = [p for p in paths if "views" in p]  # half the mutations hit a view entry
+    assert len(in_views) > 40
     outcomes = {"ok": 0, "corrupt": 0}
     for _ in range(10_000):
         doc = json.loads(json.dumps(base))
         for _ in range(int(r.integers(1, 4))):
-            p = paths[int(r.integers(0, len(paths)))]
+            pool = in_views if r.random() < 0.5 else paths
+            p = pool[int(r.integers(0, len(pool)))]
             parent = doc
             try:
                 for k in p[:-1]:
@@ -372,7 +485,8 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
         if r.random() < 0.05:
             text = text[: int(r.integers(0, len(text)))]
         try:
-            parse_manifest(text)
+            for info in parse_manifest(text).tables.values():
+                parse_views(info)
             outcomes["ok"] += 1
         except CorruptManifest:
             outcomes["corrupt"] += 1
@@ -532,7 +646,11 @@ def test_hostile_index_sizes_are_capped_before_allocating(tmp_path: Path) -> Non
             "version": 1,
             "hot": {"file": "hot.zst", "raw_bytes": 16 * n_hot, "rows": n_hot, **part},
             "keys": {
-                "file": "keys.zst", "raw_bytes": 32 * n_keys, "keys": n_keys, "width": 3, **part
+                "file": "keys.zst",
+                "raw_bytes": 32 * n_keys,
+                "keys": n_keys,
+                "width": 3,
+                **part,
             },
         }
 

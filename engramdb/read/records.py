@@ -209,24 +209,33 @@ class RecordFile(Closing):
         fd = open_checked(db, entry.data.path, entry.data.bytes, what)
         self._fds.append(fd)
         hdr = ViewHeader.unpack(read_header_page(fd, f"{what} ({entry.data.path})"), what)
-        expect = (
-            entry.slots,
-            entry.slot_bytes,
-            entry.record_bytes,
-            entry.build_id,
-            entry.source_hash,
-        )
-        got = (
-            hdr.n_slots,
-            hdr.slot_bytes,
-            hdr.record_bytes,
-            f"{hdr.build_id:016x}",
-            f"{hdr.source_hash:016x}",
-        )
-        if got != expect or hdr.table != info.name or hdr.row_bytes != info.row_bytes:
+        expect = {
+            "n_slots": entry.slots,
+            "slot_bytes": entry.slot_bytes,
+            "record_bytes": entry.record_bytes,
+            "rows_per_record": entry.rows_per_record,
+            "key_width": entry.key_width,
+            "build_id": entry.build_id,
+            "source_hash": entry.source_hash,
+            "table": info.name,
+            "row_bytes": info.row_bytes,
+        }
+        got = {
+            "n_slots": hdr.n_slots,
+            "slot_bytes": hdr.slot_bytes,
+            "record_bytes": hdr.record_bytes,
+            "rows_per_record": hdr.rows_per_record,
+            "key_width": hdr.key_width,
+            "build_id": f"{hdr.build_id:016x}",
+            "source_hash": f"{hdr.source_hash:016x}",
+            "table": hdr.table,
+            "row_bytes": hdr.row_bytes,
+        }
+        bad = [k for k in expect if got[k] != expect[k]]
+        if bad:
             raise CorruptFile(
-                f"{what}: header (slots, slot_bytes, record_bytes, build id, source hash) {got} "
-                f"disagrees with the manifest {expect}"
+                f"{what}: header field(s) {', '.join(bad)} "
+                f"{[got[k] for k in bad]} disagree with the manifest {[expect[k] for k in bad]}"
             )
         self.header = hdr
         self.n_records = hdr.n_slots
