@@ -29,6 +29,34 @@ def test_open_database_serves_its_generation_after_a_rebuild(db_factory: Any) ->
         assert np.array_equal(fresh["t"].fetch(np.arange(3000)), new)
 
 
+def test_open_database_serves_its_view_generation_after_a_rebuild(db_factory: Any) -> None:
+    """A view not yet opened, rebuilt with force (and its old files collected), then opened
+    through the open `Database`: the records of the generation it opened, no
+    `TruncatedFile`; the same when the view's table is rebuilt under it."""
+    from engramdb.disk.publish import gc
+    from engramdb.layouts.view import parse_views
+
+    db, written = db_factory({"t": (24, (2000, 3000))})
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.integers(0, 2000, 300), 2000 + rng.integers(0, 3000, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    engramdb.build_view(db, table="t", name="w", rows=rows[:50])
+    want = written["t"][rows].reshape(300, -1)
+    with engramdb.open(db) as opened:
+        snap = parse_views(opened.manifest.tables["t"])
+        engramdb.build_view(db, table="t", name="v", rows=rows[:7], force=True)
+        new = rng.integers(0, 256, written["t"].shape, dtype=np.uint8)
+        build(db, "t", 24, [new[:2000], new[2000:]], force=True)
+        gc(db)
+        assert not any((db / f.path).exists() for f in snap["v"].files)  # collected
+        v = opened["t"].view("v")
+        assert len(v) == 300 and np.array_equal(v.read_records(np.arange(300)), want)
+        w = opened["t"].view("w")
+        assert np.array_equal(w.read_records(np.arange(50)), want[:50])
+        v.close()  # reopened later: still the generation opened
+        assert len(opened["t"].view("v")) == 300
+
+
 # -- 11. `out` aliasing the ids ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["mmap", "preadv", "auto"])
 def test_out_sharing_memory_with_the_ids(db_factory: Any, backend: str) -> None:

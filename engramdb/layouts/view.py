@@ -398,29 +398,19 @@ def _tname(v: Any) -> str:
 
 
 #: The fields of a view's ``hasher`` object, each a string, an int or absent / null.
-_HASHER_FIELDS: dict[str, type] = {
-    "preset": str,
-    "name": str,
-    "kind": str,
-    "fingerprint": str,
-    "layer": int,
-    "max_ngram": int,
-    "n_heads": int,
-}
+_HASHER_FIELDS = dict.fromkeys(("preset", "name", "kind", "fingerprint"), str) | dict.fromkeys(
+    ("layer", "max_ngram", "n_heads"), int
+)
 
 
-def _check_hasher_doc(doc: Any, where: str) -> dict[str, Any] | None:
-    if doc is None:
-        return None
-    if not isinstance(doc, dict):
-        raise CorruptManifest(f"manifest: {where}.hasher must be an object, got {_tname(doc)}")
-    for key, typ in _HASHER_FIELDS.items():
-        v = doc.get(key)
-        if v is not None and (not isinstance(v, typ) or isinstance(v, bool)):
-            raise CorruptManifest(
-                f"manifest: {where}.hasher.{key} must be {typ.__name__} or null, got {_tname(v)}"
-            )
-    return doc
+def _typed(d: dict[str, Any], key: str, typ: type, where: str, default: Any = None) -> Any:
+    """Optional field ``d[key]``: absent or null, or of type ``typ`` (a bool is no int)."""
+    v = d.get(key, default)
+    if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
+        raise CorruptManifest(
+            f"manifest: {where}.{key} must be {typ.__name__} or null, got {_tname(v)}"
+        )
+    return v
 
 
 #: One file of a view as the manifest names it: the one file-entry type (like a shard entry).
@@ -535,19 +525,13 @@ class ViewEntry:
         rows = None if d.get("rows") is None else parse_view_file(d["rows"], f"{where}.rows", table)
         if (source == "keys") != (index is not None) or (source == "rows") != (rows is not None):
             raise CorruptManifest(f"manifest: {where} lacks the file its source needs")
-        hasher = _check_hasher_doc(d.get("hasher"), where)
+        hasher = _typed(d, "hasher", dict, where)
+        for key, typ in _HASHER_FIELDS.items():
+            _typed(hasher or {}, key, typ, f"{where}.hasher")
         if source == "keys" and hasher is None:
             raise CorruptManifest(f"manifest: {where}.hasher is missing (a key view needs it)")
-        budget = d.get("budget_bytes")
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
-            raise CorruptManifest(
-                f"manifest: {where}.budget_bytes must be an int or null, got {_tname(budget)}"
-            )
-        provenance = d.get("provenance", {})
-        if not isinstance(provenance, dict):
-            raise CorruptManifest(
-                f"manifest: {where}.provenance must be an object, got {_tname(provenance)}"
-            )
+        budget = _typed(d, "budget_bytes", int, where)
+        provenance = _typed(d, "provenance", dict, where, {}) or {}
         for key in ("source_hash", "build_id"):
             if not isinstance(d.get(key), str) or not _HEX64.match(d[key]):
                 raise CorruptManifest(f"manifest: {where}.{key} is not 16 hex digits")
@@ -570,18 +554,14 @@ class ViewEntry:
             budget_bytes=budget,
             provenance=dict(provenance),
         )
-        if entry.slots > MAX_SLOTS:
-            raise CorruptManifest(f"manifest: {where}.slots {entry.slots} exceeds {MAX_SLOTS}")
-        if entry.record_bytes > entry.slot_bytes:
-            raise CorruptManifest(
-                f"manifest: {where}.record_bytes {entry.record_bytes} exceeds slot_bytes "
-                f"{entry.slot_bytes}"
-            )
-        if (
-            not (1 if source == "keys" else 0)
-            <= entry.key_width
-            <= (MAX_KEY_WIDTH if source == "keys" else 0)
+        for key, value, cap in (
+            ("slots", entry.slots, MAX_SLOTS),
+            ("record_bytes", entry.record_bytes, entry.slot_bytes),
         ):
+            if value > cap:
+                raise CorruptManifest(f"manifest: {where}.{key} {value} exceeds {cap}")
+        lo, hi = (1, MAX_KEY_WIDTH) if source == "keys" else (0, 0)
+        if not lo <= entry.key_width <= hi:
             raise CorruptManifest(
                 f"manifest: {where}.key_width {entry.key_width} is out of range for a "
                 f"{source!r} view (1..{MAX_KEY_WIDTH} for keys, 0 for rows)"
