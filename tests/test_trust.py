@@ -686,3 +686,38 @@ def test_hostile_index_sizes_are_capped_before_allocating(tmp_path: Path) -> Non
         (d / "index.json").write_text(json.dumps(doc))
         with pytest.raises(CorruptFile, match=field):
             load_index(db, "ple")
+
+
+def test_load_index_across_a_republish_reads_the_new_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that read ``index.json`` just before a republish and the data files after it
+    (simulated: the first ``index.json`` read returns the old one) gets the new index whole,
+    not a `ChecksumMismatch`; an index that is really corrupt still raises."""
+    from test_index import QWEN_TINY, make_db
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.errors import ChecksumMismatch
+    from engramdb.read import index as ix
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    db = make_db(tmp_path / "db", {"ple": 88})
+    np.save(tmp_path / "a.npy", np.arange(40) % 9)
+    np.save(tmp_path / "b.npy", np.arange(60) % 13)
+    build_index(tmp_path / "a.npy", db, preset=h)
+    old_meta = ix.read_index_meta(db, "ple")
+    build_index(tmp_path / "b.npy", db, preset=h)
+    want = ix.load_index(db, "ple")
+    real = ix.read_index_meta
+    calls = iter([old_meta])
+    monkeypatch.setattr(ix, "read_index_meta", lambda d, t: next(calls, None) or real(d, t))
+    got = ix.load_index(db, "ple")
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.hot_rows, want.hot_rows)
+    monkeypatch.setattr(ix, "read_index_meta", real)
+    hot = db / "ple" / "index" / want.meta["hot"]["file"]
+    blob = bytearray(hot.read_bytes())
+    blob[-1] ^= 1
+    hot.write_bytes(bytes(blob))
+    with pytest.raises(ChecksumMismatch):
+        ix.load_index(db, "ple")

@@ -172,10 +172,25 @@ def read_index_meta(db: Path, table: str) -> dict[str, Any] | None:
 
 def load_index(db_path: str | os.PathLike[str], table: str) -> TableIndex:
     """Read and verify (types, sizes, xxh3-64) the index of ``table``. Reads and inflates
-    both files; every malformed field is a `CorruptFile` naming it."""
+    both files; every malformed field is a `CorruptFile` naming it.
+
+    A republish switches the whole index directory at once, but this reader reads
+    ``index.json`` and then the data files by path: one that ran across a switch read an old
+    ``index.json`` and new files (a size or checksum error). When the read fails and
+    ``index.json`` has changed since, it is read once more against the new one."""
     db = Path(db_path)
     info = pick_table(read_manifest(db), table, db)
     meta = read_index_meta(db, table)
+    try:
+        return _load(db, info, table, meta)
+    except (TruncatedFile, ChecksumMismatch, CorruptFile):
+        again = read_index_meta(db, table)
+        if again == meta:
+            raise
+    return _load(db, info, table, again)
+
+
+def _load(db: Path, info: TableInfo, table: str, meta: dict[str, Any] | None) -> TableIndex:
     if meta is None:
         raise TableNotFound(f"table {table!r} in {db} has no index (run `engramdb index`)")
     where = f"{table}/index/index.json"
