@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.disk.files import open_shards
+from engramdb.disk.files import open_shards, open_view_files
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     CorruptFile,
@@ -69,6 +69,11 @@ class Database(Closing):
     Eager descriptors were chosen over a reader lease (no cross-process protocol, nothing
     to clean up after a killed reader) and over re-reading the manifest on first use (that
     would mix generations within one `Database`). Cost: one descriptor per shard (~1 GiB).
+    Views get the same treatment: the files of every view the manifest names are opened here
+    too (one to three descriptors per view), so ``db[t].view(v)`` opened after a rebuild of
+    the view (or of its table) and its garbage collection still serves the records of the
+    generation this database opened. A view built after open (not in the snapshot) is found
+    through the latest manifest while its table is unchanged.
     """
 
     def __init__(
@@ -111,9 +116,11 @@ class Database(Closing):
         self._lock = threading.Lock()
         self._closed = False
         self._shard_fds: dict[str, list[int]] = {}
+        self._view_fds: dict[str, dict[str, int]] = {}
         try:
             for name, info in self.manifest.tables.items():
                 self._shard_fds[name] = open_shards(self.path, info)
+                self._view_fds[name] = open_view_files(self.path, info)
         except BaseException:
             self._close_fds()
             raise
@@ -167,6 +174,7 @@ class Database(Closing):
                     backend=self.backend,
                     ram_budget=self.ram_budget,
                     fds=self._shard_fds.pop(name, None),
+                    view_fds=self._view_fds.pop(name, None),
                     **self._backend_options,
                 )
                 self._stores[name] = store
@@ -282,8 +290,7 @@ class Database(Closing):
 
     def __del__(self) -> None:
         # a Database dropped without close(): release the descriptors no table took over
-        fds = getattr(self, "_shard_fds", None)
-        if fds:
+        if getattr(self, "_shard_fds", None) or getattr(self, "_view_fds", None):
             self._close_fds()
 
     def _close_fds(self) -> None:
@@ -292,6 +299,10 @@ class Database(Closing):
             for fd in fds:
                 os.close(fd)
         self._shard_fds.clear()
+        for held in self._view_fds.values():
+            for fd in held.values():
+                os.close(fd)
+        self._view_fds.clear()
 
     def __repr__(self) -> str:
         return f"<Database {str(self.path)!r} tables={self.tables}>"

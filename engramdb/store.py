@@ -96,8 +96,12 @@ class Store(LocalTable):
         backend: str = "auto",
         ram_budget: int | str | None = None,
         fds: list[int] | None = None,
+        view_fds: dict[str, int] | None = None,
         **backend_options: Any,
     ):
+        # Descriptors of the view files the manifest named when the database was opened
+        # (path -> fd, owned by this store from here on): `view` opens those very files.
+        self._view_fds: dict[str, int] = dict(view_fds or {})
         describe = _describe(backend_options, pop=True)
         raw = _raw_form(db_path, info, rows_per_shard, width, shards)
         if raw is not None:
@@ -120,9 +124,18 @@ class Store(LocalTable):
             raise InvalidArgument(f"table={table!r} differs from the TableInfo {info!r}")
         assert isinstance(info, TableInfo)
         self.threads = threads
-        super().__init__(
-            db_path, info, backend=backend, ram_budget=ram_budget, fds=fds, **backend_options
-        )
+        try:
+            super().__init__(
+                db_path, info, backend=backend, ram_budget=ram_budget, fds=fds, **backend_options
+            )
+        except BaseException:
+            self._close_view_fds()
+            raise
+
+    def _close_view_fds(self) -> None:
+        fds, self._view_fds = self._view_fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
     def _opened(self) -> None:
         self._views: dict[str, View] = {}
@@ -168,7 +181,7 @@ class Store(LocalTable):
         with self._views_lock:
             v = self._views.get(name)
             if v is None or v.closed:
-                v = open_view(self.db_path, self, name, **options)
+                v = open_view(self.db_path, self, name, held=self._view_fds, **options)
                 self._views[name] = v
             return v
 
@@ -274,4 +287,5 @@ class Store(LocalTable):
             self._views.clear()
         for v in views:
             v.close()
+        self._close_view_fds()
         super().close()

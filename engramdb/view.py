@@ -20,6 +20,7 @@ is in ``docs/view.md`` and `engramdb.layouts.view`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,6 +113,7 @@ class View(RecordFile):
         key_hash: KeyHash | None = None,
         backend: str = "auto",
         backend_options: dict[str, Any] | None = None,
+        held: Mapping[str, int] | None = None,
     ):
         p = Path(path)
         if name is None:
@@ -135,11 +137,13 @@ class View(RecordFile):
         snapshot = info if info is not None else read_manifest(db).tables.get(table)
         if snapshot is None:
             raise TableNotFound(f"no table {table!r} in {str(db)!r}")
-        entry = find_entry(db, snapshot, name, p if name is None else None)
+        entry = find_entry(db, snapshot, name, p if name is None else None, held)
         self._hasher = hasher
         self._hasher_checked = False
         self._key_hash = key_hash
-        super().__init__(db, snapshot, entry, backend=backend, backend_options=backend_options)
+        super().__init__(
+            db, snapshot, entry, backend=backend, backend_options=backend_options, held=held
+        )
         self._counters.update(lookups=0, hits=0, misses=0, store_rows=0)
 
     def _check_options(self) -> None:
@@ -366,14 +370,17 @@ def open_view(
     db_path: str | os.PathLike[str],
     table: TableInfo | MissTable,
     name: str,
+    *,
+    held: Mapping[str, int] | None = None,
     **options: Any,
 ) -> View:
     """Open view ``name`` of a table given as the handle that serves its misses (a `Store`,
     what ``Store.view`` passes, or any table handle with ``fetch_into``) or as the
     `TableInfo` of a manifest snapshot. ``options`` go to `View` (``hasher``, ``key_hash``,
-    ``backend``, ``backend_options``)."""
+    ``backend``, ``backend_options``); ``held``, the descriptors of view files taken at
+    open (``Store.view`` passes its own), pins the snapshot's generation of the view."""
     if isinstance(table, TableInfo):
-        return View(db_path, table=table.name, name=name, info=table, **options)
+        return View(db_path, table=table.name, name=name, info=table, held=held, **options)
     if callable(getattr(table, "fetch_into", None)):
-        return View(db_path, table=table.name, name=name, store=table, **options)
+        return View(db_path, table=table.name, name=name, store=table, held=held, **options)
     raise InvalidArgument(f"table must be a Store or a TableInfo, got {type(table).__name__}")

@@ -29,6 +29,34 @@ def test_open_database_serves_its_generation_after_a_rebuild(db_factory: Any) ->
         assert np.array_equal(fresh["t"].fetch(np.arange(3000)), new)
 
 
+def test_open_database_serves_its_view_generation_after_a_rebuild(db_factory: Any) -> None:
+    """A view not yet opened, rebuilt with force (and its old files collected), then opened
+    through the open `Database`: the records of the generation it opened, no
+    `TruncatedFile`; the same when the view's table is rebuilt under it."""
+    from engramdb.disk.publish import gc
+    from engramdb.layouts.view import parse_views
+
+    db, written = db_factory({"t": (24, (2000, 3000))})
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.integers(0, 2000, 300), 2000 + rng.integers(0, 3000, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    engramdb.build_view(db, table="t", name="w", rows=rows[:50])
+    want = written["t"][rows].reshape(300, -1)
+    with engramdb.open(db) as opened:
+        snap = parse_views(opened.manifest.tables["t"])
+        engramdb.build_view(db, table="t", name="v", rows=rows[:7], force=True)
+        new = rng.integers(0, 256, written["t"].shape, dtype=np.uint8)
+        build(db, "t", 24, [new[:2000], new[2000:]], force=True)
+        gc(db)
+        assert not any((db / f.path).exists() for f in snap["v"].files)  # collected
+        v = opened["t"].view("v")
+        assert len(v) == 300 and np.array_equal(v.read_records(np.arange(300)), want)
+        w = opened["t"].view("w")
+        assert np.array_equal(w.read_records(np.arange(50)), want[:50])
+        v.close()  # reopened later: still the generation opened
+        assert len(opened["t"].view("v")) == 300
+
+
 # -- 11. `out` aliasing the ids ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["mmap", "preadv", "auto"])
 def test_out_sharing_memory_with_the_ids(db_factory: Any, backend: str) -> None:
@@ -240,6 +268,115 @@ def _valid_manifest_doc(db: Path) -> dict[str, Any]:
     return json.loads((db / "manifest.json").read_text())
 
 
+def _with_views(db: Path) -> dict[str, Any]:
+    """The manifest of ``db`` with a real rows view ``v`` of table ``t`` and a key view ``k``
+    derived from it (the entry only: parsing reads no file)."""
+    from engramdb.layouts.view import key_index_bytes
+
+    rows = np.stack([np.arange(0, 300), 600 + np.arange(0, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    doc = _valid_manifest_doc(db)
+    v = doc["tables"]["t"]["views"]["v"]
+    k = {**v, "source": "keys", "rows": None, "key_width": 2, "key_hash": "xxh64"}
+    k["index"] = {
+        "path": "t/views/k.keys",
+        "bytes": key_index_bytes(v["slots"], 2),
+        "xxh3_64": "0123456789abcdef",
+        "blocks": [],
+    }
+    k["hasher"] = {
+        "preset": None,
+        "name": "custom",
+        "kind": "x",
+        "layer": 0,
+        "max_ngram": 2,
+        "n_heads": 2,
+        "fingerprint": "0123456789abcdef",
+    }
+    doc["tables"]["t"]["views"]["k"] = k
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("view", "key", "value", "field"),
+    [
+        ("v", "provenance", [1], "provenance"),
+        ("v", "provenance", 3, "provenance"),
+        ("v", "budget_bytes", "9", "budget_bytes"),
+        ("v", "slots", 2**40, "slots"),
+        ("v", "slots", True, "slots"),
+        ("v", "record_bytes", 1.0, "record_bytes"),
+        ("v", "rows_per_record", 3, "record_bytes"),
+        ("v", "key_width", 4, "key_width"),
+        ("v", "file.path", "t/views/\0x", "path"),
+        ("v", "file.path", "t/views/", "path"),
+        ("v", "file.path", "t/views/./x", "path"),
+        ("v", "file.path", "t/views/a/b", "path"),
+        ("v", "file.path", 5, "path"),
+        ("v", "file.blocks", None, "blocks"),
+        ("v", "file.bytes", "4096", "bytes"),
+        ("v", "rows", 7, "rows"),
+        ("v", "source", ["rows"], "source"),
+        ("v", "build_id", 12, "build_id"),
+        ("k", "hasher", [1], "hasher"),
+        ("k", "hasher", None, "hasher"),
+        ("k", "hasher.preset", ["x"], "hasher.preset"),
+        ("k", "hasher.fingerprint", 7, "hasher.fingerprint"),
+        ("k", "key_width", 0, "key_width"),
+        ("k", "key_width", 99, "key_width"),
+        ("k", "key_hash", {}, "key_hash"),
+        ("k", "index.path", "/etc/passwd", "path"),
+    ],
+)
+def test_hostile_view_entry_values(
+    db_factory: Any, view: str, key: str, value: Any, field: str
+) -> None:
+    import json
+
+    from engramdb.errors import CorruptManifest
+    from engramdb.layouts.manifest import parse_manifest
+    from engramdb.layouts.view import parse_views
+
+    db, _ = db_factory({"t": (32, (600, 400))})
+    doc = _with_views(db)
+    info = parse_manifest(json.dumps(doc)).tables["t"]
+    assert set(parse_views(info)) == {"v", "k"}  # the unmutated entries parse
+    entry = doc["tables"]["t"]["views"][view]
+    *parents, last = key.split(".")
+    for part in parents:
+        entry = entry[part]
+    entry[last] = value
+    info = parse_manifest(json.dumps(doc)).tables["t"]
+    with pytest.raises(CorruptManifest, match=field.replace(".", r"\.")):
+        parse_views(info)
+
+
+def test_view_header_disagreeing_with_the_manifest_names_the_field(db_factory: Any) -> None:
+    """A view file whose header page (sealed with a valid checksum) disagrees with its
+    manifest entry on rows per record or key width is refused, naming the field."""
+    import struct
+
+    import xxhash
+
+    from engramdb.errors import CorruptFile
+    from engramdb.layouts.view import CHECKSUM_AT
+
+    db, _ = db_factory({"t": (32, (600, 400))})
+    rows = np.stack([np.arange(0, 300), 600 + np.arange(0, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    entry = _valid_manifest_doc(db)["tables"]["t"]["views"]["v"]
+    path = db / entry["file"]["path"]
+    page = bytearray(path.read_bytes()[:4096])
+    # key_width sits after layer (q) in "<8sIIQQQIIQQqII..."
+    off = struct.calcsize("<8sIIQQQIIQQq")
+    struct.pack_into("<I", page, off, 3)
+    struct.pack_into("<Q", page, CHECKSUM_AT, xxhash.xxh3_64_intdigest(bytes(page[:CHECKSUM_AT])))
+    with open(path, "r+b") as f:
+        f.write(page)
+    with engramdb.open(db) as opened, pytest.raises(CorruptFile, match="key_width"):
+        opened["t"].view("v")
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [
@@ -312,9 +449,10 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
 
     from engramdb.errors import CorruptManifest
     from engramdb.layouts.manifest import parse_manifest
+    from engramdb.layouts.view import parse_views
 
     db, _ = db_factory({"t": (32, (600, 400)), "u": (24, (50,))})
-    base = _valid_manifest_doc(db)
+    base = _with_views(db)
     r = np.random.default_rng(8)
     values: list[Any] = [
         None,
@@ -350,11 +488,14 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
         return out
 
     paths = nodes(base)[1:]
+    in_views = [p for p in paths if "views" in p]  # half the mutations hit a view entry
+    assert len(in_views) > 40
     outcomes = {"ok": 0, "corrupt": 0}
     for _ in range(10_000):
         doc = json.loads(json.dumps(base))
         for _ in range(int(r.integers(1, 4))):
-            p = paths[int(r.integers(0, len(paths)))]
+            pool = in_views if r.random() < 0.5 else paths
+            p = pool[int(r.integers(0, len(pool)))]
             parent = doc
             try:
                 for k in p[:-1]:
@@ -372,7 +513,8 @@ def test_hostile_manifest_fuzz(db_factory: Any) -> None:
         if r.random() < 0.05:
             text = text[: int(r.integers(0, len(text)))]
         try:
-            parse_manifest(text)
+            for info in parse_manifest(text).tables.values():
+                parse_views(info)
             outcomes["ok"] += 1
         except CorruptManifest:
             outcomes["corrupt"] += 1
@@ -502,3 +644,124 @@ def test_publish_without_a_master_fails_within_seconds(db_factory: Any) -> None:
     assert res.exit_code != 0 and elapsed < 10, (elapsed, res.output)
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "not reachable" in lines[0] and f":{port}" in lines[0], lines
+
+
+def test_hostile_index_sizes_are_capped_before_allocating(tmp_path: Path) -> None:
+    """Declared sizes that agree with each other but not with the file or the table (a
+    10^12-key index in a few bytes, more hot rows than the table has) are refused before a
+    byte is inflated."""
+    import json
+
+    from test_index import make_db
+
+    from engramdb.errors import CorruptFile
+    from engramdb.read.index import load_index
+
+    db = make_db(tmp_path / "db", {"ple": 88})
+    d = db / "ple" / "index"
+    d.mkdir(parents=True)
+    import xxhash
+    import zstandard
+
+    blob = zstandard.ZstdCompressor().compress(b"")  # a valid frame of 0 raw bytes
+    (d / "hot.zst").write_bytes(blob)
+    (d / "keys.zst").write_bytes(blob)
+
+    def meta(n_hot: int, n_keys: int) -> dict[str, Any]:
+        part = {"bytes": len(blob), "xxh3_64": xxhash.xxh3_64_hexdigest(blob)}
+        return {
+            "format": "engramdb-index",
+            "version": 1,
+            "hot": {"file": "hot.zst", "raw_bytes": 16 * n_hot, "rows": n_hot, **part},
+            "keys": {
+                "file": "keys.zst",
+                "raw_bytes": 32 * n_keys,
+                "keys": n_keys,
+                "width": 3,
+                **part,
+            },
+        }
+
+    for doc, field in [(meta(89, 0), "hot.rows"), (meta(0, 10**12), "keys.raw_bytes")]:
+        (d / "index.json").write_text(json.dumps(doc))
+        with pytest.raises(CorruptFile, match=field):
+            load_index(db, "ple")
+
+
+def test_load_index_across_a_republish_reads_the_new_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that read ``index.json`` just before a republish and the data files after it
+    (simulated: the first ``index.json`` read returns the old one) gets the new index whole,
+    not a `ChecksumMismatch`; an index that is really corrupt still raises."""
+    from test_index import QWEN_TINY, make_db
+
+    from engramdb import keygen
+    from engramdb.build.index import build_index
+    from engramdb.errors import ChecksumMismatch
+    from engramdb.read import index as ix
+
+    h = keygen.hasher("qwen4exp", QWEN_TINY)
+    db = make_db(tmp_path / "db", {"ple": 88})
+    np.save(tmp_path / "a.npy", np.arange(40) % 9)
+    np.save(tmp_path / "b.npy", np.arange(60) % 13)
+    build_index(tmp_path / "a.npy", db, preset=h)
+    old_meta = ix.read_index_meta(db, "ple")
+    build_index(tmp_path / "b.npy", db, preset=h)
+    want = ix.load_index(db, "ple")
+    real = ix.read_index_meta
+    calls = iter([old_meta])
+    monkeypatch.setattr(ix, "read_index_meta", lambda d, t: next(calls, None) or real(d, t))
+    got = ix.load_index(db, "ple")
+    assert np.array_equal(got.keys, want.keys) and np.array_equal(got.hot_rows, want.hot_rows)
+    monkeypatch.setattr(ix, "read_index_meta", real)
+    hot = db / "ple" / "index" / want.meta["hot"]["file"]
+    blob = bytearray(hot.read_bytes())
+    blob[-1] ^= 1
+    hot.write_bytes(bytes(blob))
+    with pytest.raises(ChecksumMismatch):
+        ix.load_index(db, "ple")
+
+
+def test_hostile_view_header_fuzz(db_factory: Any) -> None:
+    """600 seeded mutations of the header pages of a view's files (random bytes in the
+    fields, resealed with a valid checksum so they reach the field checks): opening the view
+    either works (an unused byte) or raises `CorruptFile` / `TruncatedFile`, nothing else."""
+    import struct
+
+    import xxhash
+
+    from engramdb.errors import CorruptFile, TruncatedFile
+    from engramdb.layouts.manifest import parse_manifest
+    from engramdb.layouts.view import CHECKSUM_AT, parse_views
+    from engramdb.view import View
+
+    db, _ = db_factory({"t": (32, (600, 400))})
+    rows = np.stack([np.arange(0, 300), 600 + np.arange(0, 300)], axis=1)
+    engramdb.build_view(db, table="t", name="v", rows=rows)
+    info = parse_manifest((db / "manifest.json").read_bytes()).tables["t"]
+    entry = parse_views(info)["v"]
+    files = [db / f.path for f in entry.files]
+    pages = [p.read_bytes()[:4096] for p in files]
+    r = np.random.default_rng(16)
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(600):
+        which = int(r.integers(0, len(files)))
+        page = bytearray(pages[which])
+        for _ in range(int(r.integers(1, 4))):
+            at = int(r.integers(8, 100))  # past the magic, the fields and a name
+            page[at] = int(r.integers(0, 256))
+        struct.pack_into(
+            "<Q", page, CHECKSUM_AT, xxhash.xxh3_64_intdigest(bytes(page[:CHECKSUM_AT]))
+        )
+        with open(files[which], "r+b") as f:
+            f.write(page)
+        try:
+            View(db, table="t", name="v", info=info).close()
+            outcomes["ok"] += 1
+        except (CorruptFile, TruncatedFile):
+            outcomes["refused"] += 1
+        finally:
+            with open(files[which], "r+b") as f:
+                f.write(pages[which])
+    assert outcomes["refused"] > 400

@@ -32,6 +32,7 @@ from engramdb.errors import (
     TruncatedFile,
 )
 from engramdb.io import IoUringBackend
+from engramdb.layouts.view import parse_views
 from engramdb.testing.dbs import SMALL_BADGE, TableSpec, make_db, random_rows
 from engramdb.verify import verify_views
 from engramdb.view import View, open_view
@@ -431,10 +432,14 @@ def test_view_built_after_open_is_found(built: dict[str, Any]) -> None:
         build_view(db, table="t", name="late", keys=keys[:9], hasher=h)
         with open_view(db, store, "late") as v:
             assert v.n_records == 9
-        # Rebuilt after the snapshot (old files deleted): the latest entry is used.
+        # Rebuilt after the snapshot (old files deleted): the database serves the generation
+        # it opened (it holds the files' descriptors since open); a fresh open sees the new.
+        before = parse_views(d.manifest.tables["t"])["v"].slots
         build_view(db, table="t", name="v", keys=keys[:4], hasher=h, force=True)
-        with open_view(db, store, "v") as v:
-            assert v.n_records == 4
+        with store.view("v") as v:
+            assert v.n_records == before != 4
+    with engramdb.open(db) as d, d["t"].view("v") as v:
+        assert v.n_records == 4
         with pytest.raises(TableNotFound, match="no view 'nope'"):
             open_view(db, store, "nope")
 

@@ -182,7 +182,8 @@ def test_view_entry_rejects_bad_manifest_fields() -> None:
     for key, value, match in [
         ("source", "x", "source"),
         ("slots", 3, "file.bytes"),
-        ("file", {**good["file"], "path": "../x.edv"}, "is not under"),
+        ("file", {**good["file"], "path": "../x.edv"}, "leaves the database"),
+        ("file", {**good["file"], "path": "u/views/x.edv"}, "is not a file directly under"),
         ("file", {**good["file"], "path": "t/views/../../x"}, "leaves the database"),
         ("rows", None, "lacks the file"),
         ("build_id", "zz", "build_id"),

@@ -14,13 +14,22 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 import xxhash
 
 from engramdb._durable import atomic_write_bytes, atomic_writer, fsync_dir
-from engramdb.errors import CorruptFile, CorruptManifest, SourceChanged, SourceError, TruncatedFile
+from engramdb.errors import (
+    CorruptFile,
+    CorruptManifest,
+    EngramDBError,
+    SourceChanged,
+    SourceError,
+    TruncatedFile,
+)
 from engramdb.layouts.manifest import SourceFile, TableInfo
+from engramdb.layouts.view import parse_views
 
 #: Blocks hashed per source file at attach and checked at every open (plus the header).
 SAMPLE_BLOCKS = 4
@@ -33,6 +42,8 @@ __all__ = [
     "fsync_dir",
     "mem_available",
     "open_checked",
+    "open_held",
+    "open_view_files",
     "open_regular",
     "open_shards",
     "open_sources",
@@ -148,6 +159,54 @@ def open_checked(db: Path, rel_path: str, expect_bytes: int, what: str) -> int:
         kind = TruncatedFile if size < expect_bytes else CorruptFile
         raise kind(f"{what}: file {rel_path!r} has {size} bytes, the manifest says {expect_bytes}")
     return fd
+
+
+def open_held(
+    held: Mapping[str, int] | None, db: Path, rel_path: str, expect_bytes: int, what: str
+) -> int:
+    """`open_checked`, through a descriptor opened earlier when ``held`` has one for
+    ``rel_path`` (a new descriptor of that file, duplicated: the caller closes it, ``held``
+    keeps its own). The file may have been unlinked since; its size is checked again."""
+    fd0 = None if held is None else held.get(rel_path)
+    if fd0 is None:
+        return open_checked(db, rel_path, expect_bytes, what)
+    fd = os.dup(fd0)
+    size = os.fstat(fd).st_size
+    if size != expect_bytes:
+        os.close(fd)
+        kind = TruncatedFile if size < expect_bytes else CorruptFile
+        raise kind(f"{what}: file {rel_path!r} has {size} bytes, the manifest says {expect_bytes}")
+    return fd
+
+
+def open_view_files(db: Path, info: TableInfo) -> dict[str, int]:
+    """Descriptors of the files of every view of ``info`` (path -> fd, each size-checked by
+    `open_checked`), so a reader that opens a view later reads the generation the manifest
+    named, even once a rebuild's garbage collection has unlinked it. A view whose entry or
+    files are bad is left out (opening it raises the error then); on error no fd stays open."""
+    try:
+        views = parse_views(info)
+    except EngramDBError:
+        return {}
+    held: dict[str, int] = {}
+    try:
+        for name, entry in views.items():
+            mine: dict[str, int] = {}
+            try:
+                for f in entry.files:
+                    mine[f.path] = open_checked(db, f.path, f.bytes, f"view {name!r}")
+            except BaseException as exc:
+                for fd in mine.values():
+                    os.close(fd)
+                if isinstance(exc, EngramDBError):
+                    continue
+                raise
+            held.update(mine)
+    except BaseException:
+        for fd in held.values():
+            os.close(fd)
+        raise
+    return held
 
 
 def _hash_range(fd: int, offset: int, length: int) -> str:

@@ -32,7 +32,7 @@ from engramdb.layouts.keys import (  # noqa: F401
     match_keys,
     xxh64_keys,
 )
-from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry, TableInfo
+from engramdb.layouts.manifest import CHECK_BLOCK_BYTES, FileEntry, TableInfo, check_rel_path
 
 VIEW_FORMAT_VERSION = 1
 #: Every view file starts with one header page; data starts page-aligned after it.
@@ -393,6 +393,26 @@ def plan_slot_reads(slots: np.ndarray, slot_bytes: int, *, max_request: int) -> 
 
 
 # --- the manifest entry ---------------------------------------------------------------------
+def _tname(v: Any) -> str:
+    return f"{type(v).__name__} {str(v)[:60]!r}"
+
+
+#: The fields of a view's ``hasher`` object, each a string, an int or absent / null.
+_HASHER_FIELDS = dict.fromkeys(("preset", "name", "kind", "fingerprint"), str) | dict.fromkeys(
+    ("layer", "max_ngram", "n_heads"), int
+)
+
+
+def _typed(d: dict[str, Any], key: str, typ: type, where: str, default: Any = None) -> Any:
+    """Optional field ``d[key]``: absent or null, or of type ``typ`` (a bool is no int)."""
+    v = d.get(key, default)
+    if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
+        raise CorruptManifest(
+            f"manifest: {where}.{key} must be {typ.__name__} or null, got {_tname(v)}"
+        )
+    return v
+
+
 #: One file of a view as the manifest names it: the one file-entry type (like a shard entry).
 ViewFile = FileEntry
 
@@ -405,10 +425,14 @@ def parse_view_file(d: Any, where: str, table: str) -> FileEntry:
         raise CorruptManifest(f"manifest: {where} is not an object")
     path, size, digest = d.get("path"), d.get("bytes"), d.get("xxh3_64")
     blocks = d.get("blocks", [])
-    if not isinstance(path, str) or not path.startswith(f"{table}/views/"):
-        raise CorruptManifest(f"manifest: {where}.path {path!r} is not under {table}/views/")
-    if ".." in path.split("/") or path.startswith("/"):
-        raise CorruptManifest(f"manifest: {where}.path {path!r} leaves the database")
+    if not isinstance(path, str):
+        raise CorruptManifest(f"manifest: {where}.path must be a string, got {_tname(path)}")
+    check_rel_path(path, f"{where}.path")
+    parts = path.split("/")
+    if len(parts) != 3 or parts[:2] != [table, "views"]:
+        raise CorruptManifest(
+            f"manifest: {where}.path {path!r} is not a file directly under {table}/views/"
+        )
     if not isinstance(size, int) or isinstance(size, bool) or size < HEADER_BYTES:
         raise CorruptManifest(f"manifest: {where}.bytes {size!r} is not a valid size")
     if not isinstance(digest, str) or not _HEX64.match(digest):
@@ -501,13 +525,16 @@ class ViewEntry:
         rows = None if d.get("rows") is None else parse_view_file(d["rows"], f"{where}.rows", table)
         if (source == "keys") != (index is not None) or (source == "rows") != (rows is not None):
             raise CorruptManifest(f"manifest: {where} lacks the file its source needs")
-        hasher = d.get("hasher")
-        if hasher is not None and not isinstance(hasher, dict):
-            raise CorruptManifest(f"manifest: {where}.hasher is not an object")
+        hasher = _typed(d, "hasher", dict, where)
+        for key, typ in _HASHER_FIELDS.items():
+            _typed(hasher or {}, key, typ, f"{where}.hasher")
+        if source == "keys" and hasher is None:
+            raise CorruptManifest(f"manifest: {where}.hasher is missing (a key view needs it)")
+        budget = _typed(d, "budget_bytes", int, where)
+        provenance = _typed(d, "provenance", dict, where, {}) or {}
         for key in ("source_hash", "build_id"):
             if not isinstance(d.get(key), str) or not _HEX64.match(d[key]):
                 raise CorruptManifest(f"manifest: {where}.{key} is not 16 hex digits")
-        budget = d.get("budget_bytes")
         entry = cls(
             name=name,
             data=data,
@@ -524,11 +551,21 @@ class ViewEntry:
             key_hash=key_hash,
             hasher=hasher,
             keys_total=num("keys_total"),
-            budget_bytes=budget
-            if isinstance(budget, int) and not isinstance(budget, bool)
-            else None,
-            provenance=dict(d.get("provenance") or {}),
+            budget_bytes=budget,
+            provenance=dict(provenance),
         )
+        for key, value, cap in (
+            ("slots", entry.slots, MAX_SLOTS),
+            ("record_bytes", entry.record_bytes, entry.slot_bytes),
+        ):
+            if value > cap:
+                raise CorruptManifest(f"manifest: {where}.{key} {value} exceeds {cap}")
+        lo, hi = (1, MAX_KEY_WIDTH) if source == "keys" else (0, 0)
+        if not lo <= entry.key_width <= hi:
+            raise CorruptManifest(
+                f"manifest: {where}.key_width {entry.key_width} is out of range for a "
+                f"{source!r} view (1..{MAX_KEY_WIDTH} for keys, 0 for rows)"
+            )
         if entry.data.bytes != view_file_bytes(entry.slots, entry.slot_bytes):
             raise CorruptManifest(
                 f"manifest: {where}.file.bytes {entry.data.bytes} != {HEADER_BYTES} + "
@@ -548,4 +585,11 @@ def parse_views(info: TableInfo) -> dict[str, ViewEntry]:
         return {}
     if not isinstance(raw, dict):
         raise CorruptManifest(f"manifest: table {info.name!r} views is not an object")
-    return {name: ViewEntry.parse(info.name, name, d) for name, d in raw.items()}
+    views = {name: ViewEntry.parse(info.name, name, d) for name, d in raw.items()}
+    for e in views.values():
+        if e.record_bytes != e.rows_per_record * info.row_bytes:
+            raise CorruptManifest(
+                f"manifest: table {info.name!r} view {e.name!r}.record_bytes {e.record_bytes} "
+                f"!= rows_per_record {e.rows_per_record} x the table's {info.row_bytes} B rows"
+            )
+    return views

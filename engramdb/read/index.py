@@ -61,6 +61,11 @@ def pick_table(manifest: Manifest, table: str | None, db: Path) -> TableInfo:
 
 #: Largest ``index.json`` read (it holds counts and names, a few KiB).
 MAX_INDEX_JSON_BYTES = 1 << 20
+#: The most raw bytes one compressed byte of a zstd frame can stand for: a block inflates to
+#: at most 128 KiB and takes at least 4 bytes (an RLE block: a 3-byte header and its byte).
+#: A declared size above ``file bytes x MAX_ZSTD_RATIO`` cannot be true; it is refused
+#: before anything is allocated for it.
+MAX_ZSTD_RATIO = 32768
 
 
 def _field(doc: Any, path: str, typ: type | tuple[type, ...], where: str) -> Any:
@@ -103,6 +108,11 @@ def _read_arrays(
     size = _field(meta, f"{part}.bytes", int, where)
     raw_bytes = _field(meta, f"{part}.raw_bytes", int, where)
     digest_want = _field(meta, f"{part}.xxh3_64", str, where)
+    if raw_bytes > size * MAX_ZSTD_RATIO:
+        raise CorruptFile(
+            f"{where}: {part}.raw_bytes {raw_bytes} exceeds what {size} compressed bytes can "
+            f"hold (x{MAX_ZSTD_RATIO}, zstd's largest ratio)"
+        )
     rel = f"{index_dir}/{name}"
     # confined to the database, a regular file, its size checked before a byte is read
     opened = open_regular(db, rel, f"index file {part}")
@@ -162,14 +172,33 @@ def read_index_meta(db: Path, table: str) -> dict[str, Any] | None:
 
 def load_index(db_path: str | os.PathLike[str], table: str) -> TableIndex:
     """Read and verify (types, sizes, xxh3-64) the index of ``table``. Reads and inflates
-    both files; every malformed field is a `CorruptFile` naming it."""
+    both files; every malformed field is a `CorruptFile` naming it.
+
+    A republish switches the whole index directory at once, but this reader reads
+    ``index.json`` and then the data files by path: one that ran across a switch read an old
+    ``index.json`` and new files (a size or checksum error). When the read fails and
+    ``index.json`` has changed since, it is read once more against the new one."""
     db = Path(db_path)
-    pick_table(read_manifest(db), table, db)
+    info = pick_table(read_manifest(db), table, db)
     meta = read_index_meta(db, table)
+    try:
+        return _load(db, info, table, meta)
+    except (TruncatedFile, ChecksumMismatch, CorruptFile):
+        again = read_index_meta(db, table)
+        if again == meta:
+            raise
+    return _load(db, info, table, again)
+
+
+def _load(db: Path, info: TableInfo, table: str, meta: dict[str, Any] | None) -> TableIndex:
     if meta is None:
         raise TableNotFound(f"table {table!r} in {db} has no index (run `engramdb index`)")
     where = f"{table}/index/index.json"
     n_hot = _field(meta, "hot.rows", int, where)
+    if n_hot > info.n_rows:
+        raise CorruptFile(
+            f"{where}: field 'hot.rows' is {n_hot}, more than the table's {info.n_rows} rows"
+        )
     hot_rows, hot_counts = _read_arrays(
         db,
         f"{table}/index",

@@ -16,12 +16,13 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from engramdb.disk.files import open_checked
+from engramdb.disk.files import open_held
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     CorruptFile,
@@ -91,10 +92,21 @@ class KeyIndex(NamedTuple):
     slot_of: np.ndarray
 
 
-def find_entry(db: Path, info: TableInfo, name: str | None, file: Path | None) -> ViewEntry:
+def find_entry(
+    db: Path,
+    info: TableInfo,
+    name: str | None,
+    file: Path | None,
+    held: Mapping[str, int] | None = None,
+) -> ViewEntry:
     """The manifest entry of view ``name`` of table ``info`` (or of the view whose data file
     is ``file``). Raises `TableNotFound` for a view (file) the manifest does not name and
-    `StaleView` for a view built from another version of the table."""
+    `StaleView` for a view built from another version of the table.
+
+    ``held`` (path -> fd, the descriptors an open `Database` took at open): a view of the
+    snapshot ``info`` whose files are all held is served as the snapshot names it (the
+    generation opened); any other view by name comes from the latest manifest while the
+    table is unchanged (a view built after the snapshot)."""
     views = parse_views(info)
     current_hash = source_hash(info)
     if file is not None:
@@ -124,10 +136,15 @@ def find_entry(db: Path, info: TableInfo, name: str | None, file: Path | None) -
     else:
         assert name is not None
         entry_or_none = views.get(name)
-        # The latest manifest wins while the table is unchanged: the view may have been
+        pinned = (
+            entry_or_none is not None
+            and held is not None
+            and all(f.path in held for f in entry_or_none.files)
+        )
+        # Unless the snapshot's files are held open, the latest manifest wins while the table is unchanged: the view may have been
         # built (or rebuilt, its old files deleted) after this snapshot was taken.
         try:
-            latest = read_manifest(db).tables.get(info.name)
+            latest = None if pinned else read_manifest(db).tables.get(info.name)
         except EngramDBError:
             latest = None
         if latest is not None and source_hash(latest) == current_hash:
@@ -162,8 +179,10 @@ class RecordFile(Closing):
         *,
         backend: str = "auto",
         backend_options: dict[str, Any] | None = None,
+        held: Mapping[str, int] | None = None,
     ):
         self._db = Path(db)
+        self._held = held  # descriptors opened earlier (path -> fd), duplicated, never closed
         self._fds: list[int] = []
         self._maps: list[ShardMapping] = []
         self._pymm: mmap.mmap | None = None
@@ -203,27 +222,36 @@ class RecordFile(Closing):
 
     def _open_files(self, db: Path, info: TableInfo, entry: ViewEntry) -> None:
         what = f"view {entry.name!r} of table {info.name!r}"
-        fd = open_checked(db, entry.data.path, entry.data.bytes, what)
+        fd = open_held(self._held, db, entry.data.path, entry.data.bytes, what)
         self._fds.append(fd)
         hdr = ViewHeader.unpack(read_header_page(fd, f"{what} ({entry.data.path})"), what)
-        expect = (
-            entry.slots,
-            entry.slot_bytes,
-            entry.record_bytes,
-            entry.build_id,
-            entry.source_hash,
-        )
-        got = (
-            hdr.n_slots,
-            hdr.slot_bytes,
-            hdr.record_bytes,
-            f"{hdr.build_id:016x}",
-            f"{hdr.source_hash:016x}",
-        )
-        if got != expect or hdr.table != info.name or hdr.row_bytes != info.row_bytes:
+        expect = {
+            "n_slots": entry.slots,
+            "slot_bytes": entry.slot_bytes,
+            "record_bytes": entry.record_bytes,
+            "rows_per_record": entry.rows_per_record,
+            "key_width": entry.key_width,
+            "build_id": entry.build_id,
+            "source_hash": entry.source_hash,
+            "table": info.name,
+            "row_bytes": info.row_bytes,
+        }
+        got = {
+            "n_slots": hdr.n_slots,
+            "slot_bytes": hdr.slot_bytes,
+            "record_bytes": hdr.record_bytes,
+            "rows_per_record": hdr.rows_per_record,
+            "key_width": hdr.key_width,
+            "build_id": f"{hdr.build_id:016x}",
+            "source_hash": f"{hdr.source_hash:016x}",
+            "table": hdr.table,
+            "row_bytes": hdr.row_bytes,
+        }
+        bad = [k for k in expect if got[k] != expect[k]]
+        if bad:
             raise CorruptFile(
-                f"{what}: header (slots, slot_bytes, record_bytes, build id, source hash) {got} "
-                f"disagrees with the manifest {expect}"
+                f"{what}: header field(s) {', '.join(bad)} "
+                f"{[got[k] for k in bad]} disagree with the manifest {[expect[k] for k in bad]}"
             )
         self.header = hdr
         self.n_records = hdr.n_slots
@@ -250,7 +278,9 @@ class RecordFile(Closing):
         # 2.0x without it (the page-granularity minimum). Runs of adjacent slots keep
         # read-ahead on the first descriptor: without it 1 MiB sequential reads ran ~2x
         # slower on these disks.
-        self._fd_random = os.open(db / entry.data.path, os.O_RDONLY | os.O_CLOEXEC)
+        # (A new open file description of the same file, not a second open by path: the path
+        # may name another build by now, or nothing.)
+        self._fd_random = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._fds.append(self._fd_random)
         os.posix_fadvise(self._fd_random, 0, 0, os.POSIX_FADV_RANDOM)
         self._hashes: np.ndarray | None = None
@@ -280,7 +310,7 @@ class RecordFile(Closing):
         """Open a side file of the view (key index, rows), parse its header page, check that
         it belongs to this build (its header fields equal ``want``, the view's figures)
         and map it whole; returns the header and the file's bytes as a flat uint8 array."""
-        fd = open_checked(db, vf.path, vf.bytes, what)
+        fd = open_held(self._held, db, vf.path, vf.bytes, what)
         self._fds.append(fd)
         header = header_cls.unpack(read_header_page(fd, f"{what} ({vf.path})"), what)
         if any(getattr(header, k) != v for k, v in want.items()):
