@@ -149,12 +149,16 @@ def arm_main(a: argparse.Namespace) -> None:
 
 
 # --- the driver ------------------------------------------------------------------------------
-def drop_caches(files: list[Path]) -> None:
+def drop_caches(files: list[Path], *, global_drop: bool = False) -> None:
+    """Evict ``files`` (``POSIX_FADV_DONTNEED``; the arm runs in a fresh process, so no
+    mapping of ours holds them). ``global_drop`` (``--drop-caches``, root) also writes
+    ``/proc/sys/vm/drop_caches``, which disturbs everything else on the machine."""
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1")
-    except OSError:
-        pass
+    if global_drop:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        except OSError:
+            pass
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -215,6 +219,14 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="1 GB table, 600 k tokens, 1 rep")
+    ap.add_argument(
+        "--arms", default=None, help="comma-separated subset of the arms (ram always runs)"
+    )
+    ap.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="also write /proc/sys/vm/drop_caches (root; disturbs a shared machine)",
+    )
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--db", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", default=None, help=argparse.SUPPRESS)
@@ -267,17 +279,21 @@ def main() -> None:
                 True,
             ),
         }
+        if args.arms:
+            keep = {"ram", *args.arms.split(",")}
+            arms = {k: v for k, v in arms.items() if k in keep}
         res: dict[str, list[dict]] = {k: [] for k in arms}
         ref: list[int] | None = None
         for r in range(args.reps):
             order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-            order.remove("stream_warm")  # warm follows stream_cold (the table is resident)
-            order.insert(order.index("stream_cold") + 1, "stream_warm")
+            if "stream_warm" in order and "stream_cold" in order:
+                order.remove("stream_warm")  # warm follows stream_cold (the table is resident)
+                order.insert(order.index("stream_cold") + 1, "stream_warm")
             print(f"rep {r}:")
             for name in order:
                 kind, extra, cold = arms[name]
                 if cold:
-                    drop_caches([shard])
+                    drop_caches([shard], global_drop=args.drop_caches)
                     left = residency(shard)
                     if left > 0.01:
                         raise SystemExit(f"eviction failed: {left:.1%} still resident")
@@ -312,33 +328,39 @@ def main() -> None:
         # the ram arm may not run first: check everything against it at the end
         med = {k: median([o["tokens_per_s"] for o in v]) for k, v in res.items()}
         all_equal = all(o["bit_equal"] is not False for v in res.values() for o in v)
-        over = res["stream_over"][-1]
-        oss = over.get("stream_stats", {})
-        print("\nstream_over stats:", json.dumps({k: v for k, v in oss.items()}, default=float))
-        print(
-            "stream_cold stats:",
-            json.dumps(res["stream_cold"][-1].get("stream_stats"), default=float),
-        )
+        for name in ("stream_over", "stream_cold"):
+            if res.get(name):
+                ss = res[name][-1].get("stream_stats")
+                print(f"\n{name} stats:", json.dumps(ss, default=float))
         print("\nsummary (medians, tokens/s):")
         for k, v in med.items():
             print(f"  {k:12s} {v / 1e3:9.1f} k")
-        dev_over = median([o["device_bytes"] / o["payload_bytes"] for o in res["stream_over"]])
-        cold_s = res["stream_cold"]
-        print(
-            f"  stream_cold: first batch after {median([o['first_batch_s'] for o in cold_s]):.2f} s, "
-            f"then {median([o['tokens_per_s_after_first'] for o in cold_s]) / 1e6:.2f} M tok/s; "
-            f"1 M tokens served after {median([o['t_1m_tokens'] or float('nan') for o in cold_s]):.2f} s"
-        )
-        print(
-            f"  stream_over: device {dev_over:.2f}x payload; stream memory {oss.get('memory_bytes', 0) / 1e9:.2f} GB "
-            f"of budget {budget / 1e9:.2f} GB; resident after {over['resident_after']:.0%} of the table"
-        )
+        cold_s = res.get("stream_cold") or []
+        if cold_s:
+            t1m = median([o["t_1m_tokens"] or float("nan") for o in cold_s])
+            print(
+                f"  stream_cold: first batch after {median([o['first_batch_s'] for o in cold_s]):.2f} s, "
+                f"then {median([o['tokens_per_s_after_first'] for o in cold_s]) / 1e6:.2f} M tok/s; "
+                f"1 M tokens served after {t1m:.2f} s"
+            )
+        over_s = res.get("stream_over") or []
+        if over_s:
+            over = over_s[-1]
+            oss = over.get("stream_stats", {})
+            dev_over = median([o["device_bytes"] / o["payload_bytes"] for o in over_s])
+            cgp = over.get("cgroup_peak_bytes")
+            print(
+                f"  stream_over: device {dev_over:.2f}x payload; stream memory "
+                f"{oss.get('memory_bytes', 0) / 1e9:.2f} GB of budget {budget / 1e9:.2f} GB; "
+                f"cgroup peak {(cgp or 0) / 1e9:.2f} GB (limit {(budget + SLACK) / 1e9:.2f} GB); "
+                f"resident after {over['resident_after']:.0%} of the table"
+            )
         print(f"  bit-equal in every arm: {all_equal}")
-        print(
-            f"ratio stream_cold / memmap_cold: {med['stream_cold'] / med['memmap_cold']:.2f}x; "
-            f"stream_over / memmap_over: {med['stream_over'] / med['memmap_over']:.2f}x; "
-            f"stream_warm / ram: {med['stream_warm'] / med['ram']:.2f}x"
-        )
+        ratios = [
+            (a, b) for a, b in (("stream_cold", "memmap_cold"), ("stream_over", "memmap_over"),
+                                ("stream_warm", "ram")) if a in med and b in med
+        ]  # fmt: skip
+        print("ratio " + "; ".join(f"{a} / {b}: {med[a] / med[b]:.2f}x" for a, b in ratios))
         doc.update(results=res, medians=med, table_bytes=table_bytes, budget=budget,
                    bit_equal=all_equal)  # fmt: skip
         print(f"json: {write_json('stream', doc)}")

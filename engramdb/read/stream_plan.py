@@ -19,6 +19,7 @@ No I/O happens here: arrays in, arrays out (tested with hypothesis and no files)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,10 @@ PLAN_BYTES_PER_ROW = 64
 # Above this many bytes a dense rank array (int32 per table row) is not kept: ranks come
 # from a binary search over the window's distinct rows instead.
 _DENSE_RANK_MAX_BYTES = 256 << 20
+
+# `WindowMarks.regions` ran to the end with the dense rank array: ranks are fixed, the
+# window's rows were never held in one array.
+_RANKED = np.empty(0, np.int64)
 
 
 class GeometryLike(Protocol):
@@ -206,6 +211,34 @@ class WindowMarks:
         self._rows = rows
         return rows
 
+    def regions(self, region_rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The window's distinct rows one table region at a time: ``(base, rows)`` for the
+        regions ``[k * region_rows, (k + 1) * region_rows)`` that hold marked rows, ``rows``
+        ascending (int64) and ``base`` the index of ``rows[0]`` among all distinct rows.
+        Memory: one region's rows at a time (with the dense rank array; without it the
+        window's rows are kept for `rank`, 8 B each). `rank` works once it is exhausted."""
+        if region_rows < 1:
+            raise InvalidArgument(f"region_rows must be >= 1, got {region_rows}")
+        self._rows = None
+        pieces: list[np.ndarray] = []
+        base = 0
+        for lo in range(0, self.n_rows, region_rows):
+            hi = min(self.n_rows, lo + region_rows)
+            rows = np.flatnonzero(self._mark[lo:hi])
+            if rows.size == 0:
+                continue
+            rows += lo
+            if self._dense:
+                self._rank[rows] = np.arange(base, base + rows.size, dtype=np.int32)
+            else:
+                pieces.append(rows)
+            yield base, rows
+            base += int(rows.size)
+        if self._dense:
+            self._rows = _RANKED
+        else:
+            self._rows = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
     def rank(self, ids: np.ndarray) -> np.ndarray:
         """Index of each id (all marked, after `distinct`) among the distinct rows (int32,
         same shape)."""
@@ -218,7 +251,9 @@ class WindowMarks:
 
     def clear(self) -> None:
         """Unmark the window (only its rows are touched)."""
-        rows = self._rows if self._rows is not None else np.flatnonzero(self._mark)
+        rows = self._rows
+        if rows is None or rows is _RANKED:
+            rows = np.flatnonzero(self._mark)
         self._mark[rows] = False
         self._count = 0
         self._rows = None
