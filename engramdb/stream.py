@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from engramdb.corpus import corpus_files, open_tokens
 from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
 from engramdb.keygen import preset as keygen_preset
-from engramdb.read.stream_read import WindowStream
+from engramdb.read.stream_read import TableWarm, WindowStream
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.units import parse_size
@@ -92,27 +91,41 @@ class _Workers:
     ``depth + 2`` output buffers is never overwritten under the consumer. An error (from the
     corpus, keygen or a read) is delivered in its batch's place."""
 
-    def __init__(self, work: Iterator[tuple[Any, int]], produce: Any, depth: int, workers: int):
+    def __init__(
+        self,
+        work: Iterator[tuple[Any, int]],
+        produce: Any,
+        depth: int,
+        workers: int,
+        pre: int = 0,
+    ):
         self._work = work
         self._produce = produce
         self._depth = depth
+        self._pre = pre  # leading batches that may all be in flight (buffers of their own)
         self._cond = threading.Condition()
         self._results: dict[int, Any] = {}
         self._taken = 0  # batches handed to workers
         self._next = 0  # the batch the consumer asks for next
         self._total: int | None = None  # known once the corpus is exhausted
         self._stop = False
+        # ``pre`` extra threads take only the leading batches (each waits on the table's
+        # warm while the device reads), then exit.
         self._threads = [
-            threading.Thread(target=self._run, name="engramdb-stream", daemon=True)
-            for _ in range(workers)
+            threading.Thread(
+                target=self._run, args=(k >= workers,), name="engramdb-stream", daemon=True
+            )
+            for k in range(workers + pre)
         ]
         for t in self._threads:
             t.start()
 
-    def _run(self) -> None:
+    def _run(self, extra: bool) -> None:
         while True:
             with self._cond:
-                while not self._stop and self._taken >= self._next + self._depth:
+                if extra and self._taken >= self._pre:
+                    return
+                while not self._stop and self._taken >= max(self._next + self._depth, self._pre):
                     self._cond.wait()
                 if self._stop or self._total is not None:
                     return
@@ -255,14 +268,30 @@ def stream(
             stats=stats,
         )
         return Stream(ws.run(work, lambda t: h.row_ids(t, layer=layer), copy), stats, ws.close)
-    warm: _Warm | None = None
+    warm: TableWarm | None = None
+    pre = 0
     if mode == "warm":
         assert local is not None
-        warm = _Warm(local, stats)
         table_arr = local.array()
+        resident = local.residency()
+        stats.update(resident_before=resident, warm_seconds=None, warm_bytes_per_s=None)
+        nbytes = local.nbytes
+
+        def warm_done(dt: float, err: BaseException | None) -> None:
+            stats["warm_seconds"] = dt
+            stats["warm_bytes_per_s"] = nbytes / dt if dt > 0 else 0.0
+
+        # A resident table is served at once (its page tables fill behind the gathers).
+        warm = TableWarm(table_arr, threads=2, on_done=warm_done, serve_now=resident >= 0.99)
+        if resident < 0.5:
+            # Cold: the leading batches are gathered while the device reads (each as soon
+            # as its last row lands), in buffers of their own, bounded in memory.
+            pre_bytes = min(_PRE_MAX, max(0, budget - nbytes) // 4)
+            pre = min(_PRE_BATCHES, pre_bytes // slot_bytes)
+        stats["warm_lookahead_batches"] = pre
 
     def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
-        buf = ring[i % len(ring)]
+        buf = np.empty(slot_bytes, np.uint8) if i < pre else ring[(i - pre) % len(ring)]
         shape = tokens.shape + (n_heads, rb)
         e = buf[: int(np.prod(shape))].reshape(shape)
         if view is not None:
@@ -270,8 +299,7 @@ def stream(
         else:
             rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
             if warm is not None:
-                warm.wait()
-                np.take(table_arr, rows.reshape(-1), axis=0, out=e.reshape(-1, rb), mode="clip")
+                warm.gather(rows.reshape(-1), e.reshape(-1, rb))
             elif local is not None:
                 local.gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
             else:
@@ -280,7 +308,7 @@ def stream(
             return tokens[skip:], e[skip:]
         return tokens, e
 
-    pool = _Workers(work, produce, depth, workers)
+    pool = _Workers(work, produce, depth, workers, pre)
 
     def close() -> None:
         pool.close()
@@ -307,6 +335,10 @@ def _consume(
 
 _MODES = {"auto", "warm", "windows", "batch"}
 _MARGIN_MIN = 1 << 30  # the default budget leaves MemAvailable minus max(1 GiB, 10 %)
+# Batches gathered while a cold table warms: at most this many, in at most this many bytes
+# (and a quarter of what the budget leaves beside the table).
+_PRE_BATCHES = 8
+_PRE_MAX = 256 << 20
 
 
 def _budget(page_cache_budget: int | str | None) -> int:
@@ -317,42 +349,6 @@ def _budget(page_cache_budget: int | str | None) -> int:
         return b
     avail = mem_available()
     return max(0, avail - max(_MARGIN_MIN, avail // 10))
-
-
-class _Warm:
-    """The table read sequentially once in a background thread (``LocalTable.populate``:
-    ``MADV_POPULATE_READ`` with sequential advice), then served from the mapping."""
-
-    def __init__(self, local: LocalTable, stats: dict[str, Any]):
-        self._local = local
-        self._stats = stats
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        stats["warm_seconds"] = None
-        stats["warm_bytes_per_s"] = None
-        stats["resident_before"] = local.residency()
-        self._t = threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
-        self._t0 = time.perf_counter()
-        self._t.start()
-
-    def _run(self) -> None:
-        try:
-            self._local.populate(threads=2)
-        except BaseException as e:  # raised at the consumer, in the first batch's place
-            self._error = e
-        finally:
-            dt = time.perf_counter() - self._t0
-            self._stats["warm_seconds"] = dt
-            self._stats["warm_bytes_per_s"] = self._local.nbytes / dt if dt > 0 else 0.0
-            self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-    def join(self) -> None:
-        self._t.join()
 
 
 class Stream:
