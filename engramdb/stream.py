@@ -32,7 +32,8 @@ from engramdb.corpus import corpus_files, open_tokens
 from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
 from engramdb.keygen import preset as keygen_preset
-from engramdb.read.stream_read import TableWarm, WindowStream
+from engramdb.read.stream_read import WindowStream
+from engramdb.read.stream_warm import Pending, TableWarm
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.units import parse_size
@@ -109,22 +110,16 @@ class _Workers:
         self._next = 0  # the batch the consumer asks for next
         self._total: int | None = None  # known once the corpus is exhausted
         self._stop = False
-        # ``pre`` extra threads take only the leading batches (each waits on the table's
-        # warm while the device reads), then exit.
         self._threads = [
-            threading.Thread(
-                target=self._run, args=(k >= workers,), name="engramdb-stream", daemon=True
-            )
-            for k in range(workers + pre)
+            threading.Thread(target=self._run, name="engramdb-stream", daemon=True)
+            for _ in range(workers)
         ]
         for t in self._threads:
             t.start()
 
-    def _run(self, extra: bool) -> None:
+    def _run(self) -> None:
         while True:
             with self._cond:
-                if extra and self._taken >= self._pre:
-                    return
                 while not self._stop and self._taken >= max(self._next + self._depth, self._pre):
                     self._cond.wait()
                 if self._stop or self._total is not None:
@@ -284,13 +279,13 @@ def stream(
         # A resident table is served at once (its page tables fill behind the gathers).
         warm = TableWarm(table_arr, threads=2, on_done=warm_done, serve_now=resident >= 0.99)
         if resident < 0.5:
-            # Cold: the leading batches are gathered while the device reads (each as soon
-            # as its last row lands), in buffers of their own, bounded in memory.
+            # Cold: the leading batches are gathered by the warm's filler thread while the
+            # device reads, in buffers of their own, bounded in memory.
             pre_bytes = min(_PRE_MAX, max(0, budget - nbytes) // 4)
             pre = min(_PRE_BATCHES, pre_bytes // slot_bytes)
         stats["warm_lookahead_batches"] = pre
 
-    def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
+    def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray] | _Later:
         buf = np.empty(slot_bytes, np.uint8) if i < pre else ring[(i - pre) % len(ring)]
         shape = tokens.shape + (n_heads, rb)
         e = buf[: int(np.prod(shape))].reshape(shape)
@@ -298,6 +293,10 @@ def stream(
             view.lookup(h.keys(tokens), e.reshape(tokens.shape + (n_heads * rb,)))
         else:
             rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
+            if warm is not None and i < pre and not warm.done:
+                # gathered by the warm's filler as the rows land; the consumer waits for it
+                pend = warm.submit(rows.reshape(-1), e.reshape(-1, rb))
+                return _Later(pend, (tokens[skip:], e[skip:]) if skip else (tokens, e))
             if warm is not None:
                 warm.gather(rows.reshape(-1), e.reshape(-1, rb))
             elif local is not None:
@@ -327,10 +326,21 @@ def _consume(
             return
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, _Later):
+            item.pending.wait()
+            item = item.result
         tokens, e = item
         stats["batches"] += 1
         stats["tokens"] += int(tokens.size)
         yield (tokens, e.copy()) if copy else (tokens, e)
+
+
+class _Later:
+    """A batch whose rows the table's warm is still gathering (`Pending`)."""
+
+    def __init__(self, pending: Pending, result: tuple[np.ndarray, np.ndarray]):
+        self.pending = pending
+        self.result = result
 
 
 _MODES = {"auto", "warm", "windows", "batch"}

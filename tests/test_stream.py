@@ -258,7 +258,7 @@ def test_gathers_served_while_the_table_warms_equal_the_rows(
 ) -> None:
     import os
 
-    from engramdb.read.stream_read import TableWarm
+    from engramdb.read.stream_warm import TableWarm
 
     path, h, full = db_and_table
     with engramdb.open(path) as db:
@@ -280,8 +280,16 @@ def test_gathers_served_while_the_table_warms_equal_the_rows(
             t.start()
             gathers.append(t)
             outs.append((ids, out))
+        pend = []
+        for _ in range(3):  # filled by the warm's filler thread, not by the caller
+            ids = rng.integers(0, s.n_rows, 2000)
+            out = np.empty((ids.size, 160), np.uint8)
+            pend.append(w.submit(ids, out))
+            outs.append((ids, out))
         for t in gathers:
             t.join()
+        for p in pend:
+            p.wait()
         w.join()
         assert w.done and len(done) == 1 and s.residency() == 1.0
         for ids, out in outs:

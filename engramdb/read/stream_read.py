@@ -17,7 +17,6 @@ else), else buffered ``preadv`` followed by ``POSIX_FADV_DONTNEED`` of what was 
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
@@ -28,12 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import BackendUnavailable, ReadError
+from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
-from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, madvise, populate_range
 from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
-__all__ = ["DeviceProfile", "RunReader", "TableWarm", "WindowStream", "calibrate"]
+__all__ = ["DeviceProfile", "RunReader", "WindowStream", "calibrate"]
 
 _PAGE = 4096
 _MIB = 1 << 20
@@ -468,128 +466,3 @@ class WindowStream:
             t.join()
         self._thread = None
         self._reader.close()
-
-
-class TableWarm:
-    """A mapped table read sequentially once, in file order, by background threads — and
-    gathers served from it while it loads.
-
-    ``threads`` threads fault the mapping ``arr`` (``[n_rows, row_bytes]``)
-    in chunk by chunk (``MADV_POPULATE_READ`` with sequential advice: read-ahead streams it
-    at device speed), taking the chunks in file order; ``prefix`` is the number of leading
-    chunks done. `gather` serves a batch while the warm proceeds: its rows are grouped by
-    the chunk that completes them (one stable radix sort of small ints) and each group is
-    gathered as soon as the prefix covers it, so a batch is ready the moment the last chunk
-    it needs lands and a consumer with several batches in flight gathers them while the
-    device reads. Once done (or from the start with ``serve_now``, for a table already in
-    the page cache), a gather is one ``np.take`` from the mapping."""
-
-    def __init__(
-        self,
-        arr: np.ndarray,
-        *,
-        threads: int = 2,
-        chunk: int = 64 * _MIB,
-        on_done: Callable[[float, BaseException | None], None] | None = None,
-        serve_now: bool = False,
-    ):
-        self._arr = arr
-        self._serve_now = serve_now
-        addr = int(arr.ctypes.data)
-        self._lead = addr % _PAGE  # an attached table's rows may start inside a page
-        self._addr = addr - self._lead
-        self._len = int(arr.nbytes) + self._lead
-        self._chunk = max(_PAGE, chunk // _PAGE * _PAGE)
-        self._n_chunks = -(-self._len // self._chunk)
-        self._done_flags = np.zeros(self._n_chunks + 1, dtype=bool)
-        self._next = 0
-        self.prefix = 0
-        self.error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._on_done = on_done
-        self._left = max(1, threads)
-        self._t0 = time.perf_counter()
-        madvise(self._addr, self._len, MADV_SEQUENTIAL)
-        self._threads = [
-            threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
-            for _ in range(self._left)
-        ]
-        for t in self._threads:
-            t.start()
-
-    @property
-    def done(self) -> bool:
-        return self.prefix >= self._n_chunks
-
-    def _run(self) -> None:
-        err: BaseException | None = None
-        try:
-            while True:
-                with self._cond:
-                    i = self._next
-                    if i >= self._n_chunks or self.error is not None:
-                        break
-                    self._next += 1
-                off = i * self._chunk
-                try:
-                    populate_range(self._addr + off, min(self._chunk, self._len - off))
-                except OSError as e:
-                    if e.errno == errno.EFAULT:
-                        raise ReadError(f"the warm hit an unreadable page near byte {off}") from e
-                    raise
-                with self._cond:
-                    self._done_flags[i] = True
-                    while self._done_flags[self.prefix]:
-                        self.prefix += 1
-                    self._cond.notify_all()
-        except BaseException as e:  # delivered to the gathers waiting on it
-            err = e
-        with self._cond:
-            if err is not None and self.error is None:
-                self.error = err
-                self._cond.notify_all()
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            madvise(self._addr, self._len, MADV_RANDOM)
-            if self._on_done is not None:
-                self._on_done(time.perf_counter() - self._t0, self.error)
-
-    def _wait_past(self, k: int) -> int:
-        """Block until more than ``k`` chunks are done (or all); the new prefix."""
-        with self._cond:
-            while self.prefix <= k and self.error is None and not self.done:
-                self._cond.wait()
-            if self.error is not None:
-                raise self.error
-            return self.prefix
-
-    def wait(self) -> None:
-        self._wait_past(self._n_chunks)
-
-    def gather(self, rows: np.ndarray, out2d: np.ndarray) -> None:
-        """``out2d[i] = arr[rows[i]]`` (``rows`` flat, in range), as soon as the rows are read."""
-        if self.done or self._serve_now:
-            if self.error is not None:
-                raise self.error
-            np.take(self._arr, rows, axis=0, out=out2d, mode="clip")
-            return
-        rb = int(self._arr.shape[1])
-        # the chunk that ends each row
-        last = (rows.astype(np.int64) * rb + (self._lead + rb - 1)) // self._chunk
-        order = np.argsort(last.astype(np.uint16 if self._n_chunks < 1 << 16 else np.int64),
-                           kind="stable")  # fmt: skip
-        bounds = np.concatenate(([0], np.cumsum(np.bincount(last, minlength=self._n_chunks))))
-        got = 0  # chunks whose rows are gathered
-        while got < self._n_chunks:
-            k = self.prefix
-            if k <= got:
-                k = self._wait_past(got)
-            sel = order[bounds[got] : bounds[k]]
-            if sel.size:
-                out2d[sel] = self._arr[rows[sel]]
-            got = k
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join()
