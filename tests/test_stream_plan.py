@@ -125,7 +125,12 @@ def test_regions_give_the_distinct_rows_in_order_and_fix_their_ranks(
     for _, r in got:  # each piece lies inside one region
         assert r.size and r[0] // region_rows == r[-1] // region_rows
     assert np.array_equal(rows[marks.rank(ids)], ids)
+    packed = marks.freeze()
+    assert packed.count == rows.size == marks.count
     marks.clear()
     assert marks.count == 0 and marks.distinct().size == 0
+    marks.add(np.arange(0, 500, 7))  # the next window does not disturb the snapshot
+    assert np.array_equal(rows[packed.rank(ids)], ids)
+    assert packed.nbytes == WindowMarks.packed_nbytes(500)
     with pytest.raises(InvalidArgument, match="region_rows"):
         next(marks.regions(0))

@@ -291,15 +291,17 @@ class WindowStream:
             profile = calibrate(cal, fds, sizes)
         finally:
             cal.close()
-        # Reads in flight take at most ~1/40 of the budget (a small budget shrinks them).
-        max_read = max(64 << 10, min(profile.max_read, _pow2_floor(max(1, budget // 128))))
-        depth = max(2, min(profile.depth, budget // 48 // max_read))
+        # A group of reads takes at most ~1/128 of the budget (its bounce buffers and plans
+        # ~1/30): the rest is the window, and a larger window means fewer passes.
+        max_read = max(_MIB, min(profile.max_read, _pow2_floor(max(1, budget // 512))))
+        depth = max(2, min(profile.depth, budget // 128 // max_read))
         profile = replace(profile, max_read=max_read, depth=depth)
-        # A dense rank array (4 B per table row, ~20x faster ranks than a binary search)
-        # while it costs at most 1/8 of the budget.
+        # The bitmap (1 B per table row) marks a window; its ranks come from a packed
+        # snapshot (`PackedRanks`, 0.19 B per row; two alive: the window served and the one
+        # being read), so the window's ids need not be kept: the consumer recomputes them.
         n_rows = int(geometry.n_rows)
-        self._marks = WindowMarks(n_rows, dense_max_bytes=budget // 8)
-        self._id_dtype = np.dtype(np.int32 if n_rows < 2**31 else np.int64)
+        self._marks = WindowMarks(n_rows, dense_max_bytes=0)
+        ranks_bytes = 2 * WindowMarks.packed_nbytes(n_rows)
         self._reader = RunReader(fds, profile, rb)
         # Regions of about one group of reads: their plans are made while the device reads.
         self._region_rows = max(1, depth * max_read // rb)
@@ -307,10 +309,17 @@ class WindowStream:
         # One output buffer: a batch is valid until the next one is asked for.
         self._out = np.empty(slot_bytes, np.uint8)
         # The backend's own bounce buffer is as large as one of ours.
-        fixed = slot_bytes + self._marks.nbytes + self._reader.nbytes * 3 // 2 + plan_bytes
-        # What is left holds the window: its distinct rows and its ids (a row id per head).
-        self._window_bytes = max(0, int(0.97 * budget) - fixed)
-        self._id_bytes = self._heads * self._id_dtype.itemsize  # per token
+        fixed = (
+            slot_bytes
+            + self._marks.nbytes
+            + ranks_bytes
+            + self._reader.nbytes * 3 // 2
+            + plan_bytes
+        )
+        # What is left holds the window: its distinct rows and its token ids (8 B a token,
+        # should the corpus hand out copies).
+        self._window_bytes = max(0, int(0.98 * budget) - fixed)
+        self._id_bytes = 8  # per token
         cap_rows = max(self._window_bytes // rb, slot_bytes // rb, 1)
         # Virtual until touched: a window commits only the rows it holds.
         self._compact = np.empty((cap_rows, rb), np.uint8)
@@ -348,13 +357,13 @@ class WindowStream:
 
     def _plans(self) -> Iterator[tuple[int, RunPlan]]:
         prof = self._reader.profile
-        for base, rows in self._marks.regions(self._region_rows):
+        for base, rows in self._marks.regions(self._region_rows, keep_rows=False):
             t0 = time.perf_counter()
             plan = plan_runs(rows, self._geometry, merge_gap=prof.merge_gap, max_read=prof.max_read)
             self._stats["plan_seconds"] += time.perf_counter() - t0
             yield base, plan
 
-    def _ship(self, pending: list[tuple[Any, int, np.ndarray]], ntok: int) -> bool:
+    def _ship(self, pending: list[tuple[Any, int]], ntok: int) -> bool:
         """Read and hand over one window; False when stopped."""
         marks = self._marks
         t1 = time.perf_counter()
@@ -368,7 +377,7 @@ class WindowStream:
         c0 = dict(self._reader.counters)
         self._reader.load(self._plans(), self._compact)
         c1 = self._reader.counters
-        batches = [(tokens, skip, marks.rank(r)) for tokens, skip, r in pending]
+        ranks = marks.freeze()
         n_distinct = marks.count
         marks.clear()
         st = self._stats
@@ -383,7 +392,7 @@ class WindowStream:
         mem = st["fixed_bytes"] + self._committed * self._rb + ntok * self._id_bytes
         st["memory_bytes"] = max(st["memory_bytes"], mem)
         st["within_budget"] = st["memory_bytes"] <= st["page_cache_budget"]
-        self._put(batches)
+        self._put((pending, ranks))
         return True
 
     def _full(self, new_rows: int, ntok: int) -> bool:
@@ -393,7 +402,7 @@ class WindowStream:
         return rows * self._rb + ntok * self._id_bytes > self._window_bytes
 
     def _load(self, work: Iterator[tuple[Any, int]], rows_of: Callable[[Any], np.ndarray]) -> None:
-        pending: list[tuple[Any, int, np.ndarray]] = []
+        pending: list[tuple[Any, int]] = []
         ntok = 0
         err: BaseException | None = None
         try:
@@ -401,13 +410,14 @@ class WindowStream:
                 for tokens, skip in work:
                     if self._stop:
                         return
-                    rows = rows_of(tokens).astype(self._id_dtype, copy=False)
+                    rows = rows_of(tokens)
                     if pending and self._full(rows.size, ntok + int(tokens.size)):
                         if not self._ship(pending, ntok):
                             return
                         pending, ntok = [], 0
                     self._marks.add(rows)
-                    pending.append((tokens, skip, rows))
+                    del rows  # recomputed by the consumer: a window keeps no ids
+                    pending.append((tokens, skip))
                     ntok += int(tokens.size)
             except BaseException as e:  # corpus or keygen: after the batches before it
                 err = e
@@ -437,13 +447,13 @@ class WindowStream:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                last = len(item) - 1
-                for j, (tokens, skip, rank) in enumerate(item):
+                batches, ranks = item
+                last = len(batches) - 1
+                for j, (tokens, skip) in enumerate(batches):
                     shape = tokens.shape + (heads, rb)
                     e = self._out[: int(np.prod(shape))].reshape(shape)
-                    np.take(
-                        self._compact, rank.reshape(-1), axis=0, out=e.reshape(-1, rb), mode="clip"
-                    )
+                    rank = ranks.rank(rows_of(tokens).reshape(-1))
+                    np.take(self._compact, rank, axis=0, out=e.reshape(-1, rb), mode="clip")
                     if j == last:  # the window's rows are no longer needed: load the next
                         with self._cond:
                             self._free = True
