@@ -195,8 +195,9 @@ def stream(
     errors are raised here, at the batch they hit.
 
     ``mode`` (a local table without a view): ``"warm"`` reads the table sequentially once
-    in the background (``MADV_POPULATE_READ``) and serves every batch from the mapping;
-    ``"windows"`` reads look-ahead windows of distinct rows in file order into a bounded
+    in the background (`engramdb.read.stream_warm.TableWarm`) and serves every batch from
+    the mapping, each as soon as the rows it needs are read; ``"windows"`` reads look-ahead
+    windows of distinct rows (as large as the budget allows) in file order into a bounded
     row store (`engramdb.read.stream_plan`), never holding more than the budget;
     ``"batch"`` reads each batch through the store's read path; ``"auto"`` (default) picks
     ``"warm"`` when the table fits ``page_cache_budget`` (bytes or ``"8G"``; default
@@ -387,9 +388,11 @@ class Stream:
     def stats(self) -> dict[str, Any]:
         """A copy of the counters: ``mode``, ``page_cache_budget``, ``table_bytes``,
         ``batches``, ``tokens``; warm mode: ``warm_seconds``, ``warm_bytes_per_s``,
-        ``resident_before``; windows mode: ``device`` (the calibration and the chosen
-        ``merge_gap``, ``max_read``, ``depth``), ``window_cap_bytes``, ``windows``,
-        ``runs``, ``bytes_read``, ``rows_read``, ``memory_bytes`` (peak the stream holds)."""
+        ``resident_before``, ``warm_lookahead_batches``; windows mode: ``device`` (the
+        calibration and the chosen ``merge_gap``, ``max_read``, ``depth``),
+        ``window_cap_bytes``, ``windows``, ``runs``, ``bytes_read`` (device bytes),
+        ``payload_bytes``, ``rows_read``, ``memory_bytes`` (peak the stream holds),
+        ``within_budget``."""
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
 
     def close(self) -> None:

@@ -6,9 +6,10 @@
   the time one extra random request costs (reading a gap that small is cheaper than a new
   request), a run is capped at ``max_read`` (a multiple of the gap, 1-8 MiB) and ``depth``
   runs are kept in flight (enough bytes for ~20 ms of sequential transfer).
-* `RunReader.load` reads a window's runs (`stream_plan.RunPlan`) in file order, ``depth``
-  runs per backend batch, and copies each run's rows into the window's compact row store;
-  the next batch of runs is read while the previous one is copied out.
+* `RunReader.load` reads a window's runs (`stream_plan.RunPlan`s, one per table region,
+  made lazily) in file order, ``depth`` runs per backend batch, and copies each run's rows
+  into the window's compact row store; two batches of runs are queued on the device while
+  the one before is copied out.
 
 Reads go through ``io_uring`` with ``O_DIRECT`` where it runs (device bytes = bytes read,
 no page-cache use: a table larger than the page cache is streamed without evicting anything
@@ -258,12 +259,14 @@ class WindowStream:
 
     A loader thread takes the corpus's batches in order, computes their row ids
     (``rows_of``), and marks them into a look-ahead window until the window's distinct
-    rows plus its ids would pass what the budget leaves after the fixed costs (the bitmap
-    and rank array, the bounce buffers, one output buffer, the planning of a few regions).
+    rows would pass what the budget leaves after the fixed costs (the bitmap and two packed
+    rank snapshots, the bounce buffers, one output buffer, the planning of a few regions);
+    the ids themselves are dropped (the consumer recomputes them).
     Once the consumer is done with the previous window it reads the window's rows region
     by region of the table, in file order (`stream_plan.plan_runs` per region, knobs from
     `calibrate`), into the one compact row store, and hands the window over. The consumer
-    gathers each batch from the compact store (one ``np.take``). The windows are as large
+    recomputes each batch's ids, ranks them (`stream_plan.PackedRanks`) and gathers the
+    batch from the compact store (one ``np.take``). The windows are as large
     as the budget allows: where a window touches most pages of the table, each window costs
     one sequential pass over the table, so device bytes per payload byte fall as the window
     grows. Keygen of the next window overlaps the consumer's use of the current one; nothing
