@@ -298,3 +298,32 @@ def test_gathers_served_while_the_table_warms_equal_the_rows(
         out = np.empty((500, 160), np.uint8)
         w.gather(ids, out)  # once warm: one np.take
         assert np.array_equal(out, full[ids])
+
+
+def test_windows_grow_with_the_budget_and_stay_within_it(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (6_000,))
+    ref = full[h.row_ids(seq, layer=2)]
+    got = {}
+    with engramdb.open(path) as db:
+        nbytes = db["ple"].nbytes
+        for frac in (0.4, 0.9):
+            st = db.stream(
+                seq,
+                preset=h,
+                batch_tokens=200,
+                mode="windows",
+                page_cache_budget=int(frac * nbytes),
+            )
+            _, es = collect(st)
+            assert np.array_equal(np.concatenate(es).reshape(ref.shape), ref)
+            got[frac] = st.stats()
+    for s in got.values():
+        assert s["within_budget"] and s["memory_bytes"] <= s["page_cache_budget"]
+        assert s["payload_bytes"] == seq.size * 16 * 160
+        assert s["bytes_read"] >= s["rows_read"] * 160
+    small, large = got[0.4], got[0.9]
+    assert large["window_tokens_max"] > small["window_tokens_max"]
+    assert large["windows"] < small["windows"] and large["bytes_read"] < small["bytes_read"]

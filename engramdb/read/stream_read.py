@@ -296,7 +296,7 @@ class WindowStream:
             cal.close()
         # A group of reads takes at most ~1/128 of the budget (its bounce buffers and plans
         # ~1/30): the rest is the window, and a larger window means fewer passes.
-        max_read = max(_MIB, min(profile.max_read, _pow2_floor(max(1, budget // 512))))
+        max_read = min(profile.max_read, max(64 << 10, _pow2_floor(max(1, budget // 256))))
         depth = max(2, min(profile.depth, budget // 128 // max_read))
         profile = replace(profile, max_read=max_read, depth=depth)
         # The bitmap (1 B per table row) marks a window; its ranks come from a packed
