@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -136,7 +137,9 @@ class RunReader:
         self._bounce_bytes = profile.depth * self._slot
         self.backend = open_reader_backend(self._bounce_bytes)
         self._bounce = [np.empty(self._bounce_bytes, np.uint8) for _ in range(2)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engramdb-runs")
+        # Two reading threads: both queued groups are on the device at once (each thread's
+        # backend bounce buffer is as large as one of ours).
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engramdb-runs")
         self._lock = threading.Lock()
         self.counters = {"windows": 0, "runs": 0, "bytes_read": 0, "rows": 0, "read_seconds": 0.0}
 
@@ -210,7 +213,7 @@ class RunReader:
                 submit()  # into the buffer just copied out
         except BaseException:
             # No read may still be landing in a bounce buffer once this call returns.
-            self._pool.submit(lambda: None).result()
+            wait_futures([q[-1] for q in queued])
             raise
         with self._lock:
             self.counters["windows"] += 1
@@ -311,14 +314,8 @@ class WindowStream:
         plan_bytes = 3 * self._region_rows * PLAN_BYTES_PER_ROW  # made, queued, in flight
         # One output buffer: a batch is valid until the next one is asked for.
         self._out = np.empty(slot_bytes, np.uint8)
-        # The backend's own bounce buffer is as large as one of ours.
-        fixed = (
-            slot_bytes
-            + self._marks.nbytes
-            + ranks_bytes
-            + self._reader.nbytes * 3 // 2
-            + plan_bytes
-        )
+        # Each reading thread's backend bounce buffer is as large as one of ours.
+        fixed = slot_bytes + self._marks.nbytes + ranks_bytes + 2 * self._reader.nbytes + plan_bytes
         # What is left holds the window: its distinct rows and its token ids (8 B a token,
         # should the corpus hand out copies).
         self._window_bytes = max(0, int(0.98 * budget) - fixed)
