@@ -311,6 +311,8 @@ def stream(
     pool = _Workers(work, produce, depth, workers, pre)
 
     def close() -> None:
+        if warm is not None:
+            warm.stop()  # an abandoned stream does not read the rest of the table
         pool.close()
         if warm is not None:
             warm.join()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -256,8 +257,6 @@ def test_read_mode_arguments_are_checked(
 def test_gathers_served_while_the_table_warms_equal_the_rows(
     db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
 ) -> None:
-    import os
-
     from engramdb.read.stream_warm import TableWarm
 
     path, h, full = db_and_table
@@ -327,3 +326,30 @@ def test_windows_grow_with_the_budget_and_stay_within_it(
     small, large = got[0.4], got[0.9]
     assert large["window_tokens_max"] > small["window_tokens_max"]
     assert large["windows"] < small["windows"] and large["bytes_read"] < small["bytes_read"]
+
+
+def test_closing_a_stream_stops_its_warm(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    from engramdb.errors import StoreClosed
+    from engramdb.read.stream_warm import TableWarm
+
+    path, h, full = db_and_table
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        for p in {s.db_path / sh.path for sh in s.info.shards}:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        w = TableWarm(s.array(), threads=1, chunk=4096)
+        w.stop()
+        w.join()
+        assert w.done or isinstance(w.error, StoreClosed)
+        if not w.done:
+            with pytest.raises(StoreClosed):
+                w.gather(np.arange(10), np.empty((10, 160), np.uint8))
+        before = threading.active_count()
+        it = db.stream(corpus(rng, (3000,)), preset=h, batch_tokens=100, mode="warm")
+        next(it)
+        it.close()
+        assert threading.active_count() <= before

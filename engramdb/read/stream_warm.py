@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engramdb.errors import ReadError
+from engramdb.errors import ReadError, StoreClosed
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, madvise, populate_range
 
 __all__ = ["Pending", "TableWarm"]
@@ -105,6 +105,14 @@ class TableWarm:
             madvise(self._addr, self._len, MADV_RANDOM)
             if self._on_done is not None:
                 self._on_done(time.perf_counter() - self._t0, self.error)
+
+    def stop(self) -> None:
+        """Stop reading after the chunks in progress; gathers still waiting raise
+        `StoreClosed`. A no-op once the table is read."""
+        with self._cond:
+            if not self.done and self.error is None:
+                self.error = StoreClosed("the stream was closed before its table was read")
+                self._cond.notify_all()
 
     def _wait_past(self, k: int) -> int:
         """Block until more than ``k`` chunks are done (or all); the new prefix."""
