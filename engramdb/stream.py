@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
 from engramdb.keygen import preset as keygen_preset
 from engramdb.read.stream_read import WindowStream
+from engramdb.read.stream_warm import Pending, TableWarm
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.units import parse_size
@@ -92,10 +92,18 @@ class _Workers:
     ``depth + 2`` output buffers is never overwritten under the consumer. An error (from the
     corpus, keygen or a read) is delivered in its batch's place."""
 
-    def __init__(self, work: Iterator[tuple[Any, int]], produce: Any, depth: int, workers: int):
+    def __init__(
+        self,
+        work: Iterator[tuple[Any, int]],
+        produce: Any,
+        depth: int,
+        workers: int,
+        pre: int = 0,
+    ):
         self._work = work
         self._produce = produce
         self._depth = depth
+        self._pre = pre  # leading batches that may all be in flight (buffers of their own)
         self._cond = threading.Condition()
         self._results: dict[int, Any] = {}
         self._taken = 0  # batches handed to workers
@@ -112,7 +120,7 @@ class _Workers:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and self._taken >= self._next + self._depth:
+                while not self._stop and self._taken >= max(self._next + self._depth, self._pre):
                     self._cond.wait()
                 if self._stop or self._total is not None:
                     return
@@ -187,8 +195,9 @@ def stream(
     errors are raised here, at the batch they hit.
 
     ``mode`` (a local table without a view): ``"warm"`` reads the table sequentially once
-    in the background (``MADV_POPULATE_READ``) and serves every batch from the mapping;
-    ``"windows"`` reads look-ahead windows of distinct rows in file order into a bounded
+    in the background (`engramdb.read.stream_warm.TableWarm`) and serves every batch from
+    the mapping, each as soon as the rows it needs are read; ``"windows"`` reads look-ahead
+    windows of distinct rows (as large as the budget allows) in file order into a bounded
     row store (`engramdb.read.stream_plan`), never holding more than the budget;
     ``"batch"`` reads each batch through the store's read path; ``"auto"`` (default) picks
     ``"warm"`` when the table fits ``page_cache_budget`` (bytes or ``"8G"``; default
@@ -255,23 +264,42 @@ def stream(
             stats=stats,
         )
         return Stream(ws.run(work, lambda t: h.row_ids(t, layer=layer), copy), stats, ws.close)
-    warm: _Warm | None = None
+    warm: TableWarm | None = None
+    pre = 0
     if mode == "warm":
         assert local is not None
-        warm = _Warm(local, stats)
         table_arr = local.array()
+        resident = local.residency()
+        stats.update(resident_before=resident, warm_seconds=None, warm_bytes_per_s=None)
+        nbytes = local.nbytes
 
-    def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray]:
-        buf = ring[i % len(ring)]
+        def warm_done(dt: float, err: BaseException | None) -> None:
+            stats["warm_seconds"] = dt
+            stats["warm_bytes_per_s"] = nbytes / dt if dt > 0 else 0.0
+
+        # A resident table is served at once (its page tables fill behind the gathers).
+        warm = TableWarm(table_arr, threads=2, on_done=warm_done, serve_now=resident >= 0.99)
+        if resident < 0.5:
+            # Cold: the leading batches are gathered by the warm's filler thread while the
+            # device reads, in buffers of their own, bounded in memory.
+            pre_bytes = min(_PRE_MAX, max(0, budget - nbytes) // 4)
+            pre = min(_PRE_BATCHES, pre_bytes // slot_bytes)
+        stats["warm_lookahead_batches"] = pre
+
+    def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray] | _Later:
+        buf = np.empty(slot_bytes, np.uint8) if i < pre else ring[(i - pre) % len(ring)]
         shape = tokens.shape + (n_heads, rb)
         e = buf[: int(np.prod(shape))].reshape(shape)
         if view is not None:
             view.lookup(h.keys(tokens), e.reshape(tokens.shape + (n_heads * rb,)))
         else:
             rows = h.row_ids(tokens, layer=layer)  # in range: the table fits (checked above)
+            if warm is not None and i < pre and not warm.done:
+                # gathered by the warm's filler as the rows land; the consumer waits for it
+                pend = warm.submit(rows.reshape(-1), e.reshape(-1, rb))
+                return _Later(pend, (tokens[skip:], e[skip:]) if skip else (tokens, e))
             if warm is not None:
-                warm.wait()
-                np.take(table_arr, rows.reshape(-1), axis=0, out=e.reshape(-1, rb), mode="clip")
+                warm.gather(rows.reshape(-1), e.reshape(-1, rb))
             elif local is not None:
                 local.gather(rows.reshape(-1), e.reshape(-1, rb), serial=serial)
             else:
@@ -280,9 +308,11 @@ def stream(
             return tokens[skip:], e[skip:]
         return tokens, e
 
-    pool = _Workers(work, produce, depth, workers)
+    pool = _Workers(work, produce, depth, workers, pre)
 
     def close() -> None:
+        if warm is not None:
+            warm.stop()  # an abandoned stream does not read the rest of the table
         pool.close()
         if warm is not None:
             warm.join()
@@ -299,14 +329,29 @@ def _consume(
             return
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, _Later):
+            item.pending.wait()
+            item = item.result
         tokens, e = item
         stats["batches"] += 1
         stats["tokens"] += int(tokens.size)
         yield (tokens, e.copy()) if copy else (tokens, e)
 
 
+class _Later:
+    """A batch whose rows the table's warm is still gathering (`Pending`)."""
+
+    def __init__(self, pending: Pending, result: tuple[np.ndarray, np.ndarray]):
+        self.pending = pending
+        self.result = result
+
+
 _MODES = {"auto", "warm", "windows", "batch"}
 _MARGIN_MIN = 1 << 30  # the default budget leaves MemAvailable minus max(1 GiB, 10 %)
+# Batches gathered while a cold table warms: at most this many, in at most this many bytes
+# (and a quarter of what the budget leaves beside the table).
+_PRE_BATCHES = 8
+_PRE_MAX = 256 << 20
 
 
 def _budget(page_cache_budget: int | str | None) -> int:
@@ -317,42 +362,6 @@ def _budget(page_cache_budget: int | str | None) -> int:
         return b
     avail = mem_available()
     return max(0, avail - max(_MARGIN_MIN, avail // 10))
-
-
-class _Warm:
-    """The table read sequentially once in a background thread (``LocalTable.populate``:
-    ``MADV_POPULATE_READ`` with sequential advice), then served from the mapping."""
-
-    def __init__(self, local: LocalTable, stats: dict[str, Any]):
-        self._local = local
-        self._stats = stats
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        stats["warm_seconds"] = None
-        stats["warm_bytes_per_s"] = None
-        stats["resident_before"] = local.residency()
-        self._t = threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
-        self._t0 = time.perf_counter()
-        self._t.start()
-
-    def _run(self) -> None:
-        try:
-            self._local.populate(threads=2)
-        except BaseException as e:  # raised at the consumer, in the first batch's place
-            self._error = e
-        finally:
-            dt = time.perf_counter() - self._t0
-            self._stats["warm_seconds"] = dt
-            self._stats["warm_bytes_per_s"] = self._local.nbytes / dt if dt > 0 else 0.0
-            self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-    def join(self) -> None:
-        self._t.join()
 
 
 class Stream:
@@ -381,9 +390,11 @@ class Stream:
     def stats(self) -> dict[str, Any]:
         """A copy of the counters: ``mode``, ``page_cache_budget``, ``table_bytes``,
         ``batches``, ``tokens``; warm mode: ``warm_seconds``, ``warm_bytes_per_s``,
-        ``resident_before``; windows mode: ``device`` (the calibration and the chosen
-        ``merge_gap``, ``max_read``, ``depth``), ``window_cap_bytes``, ``windows``,
-        ``runs``, ``bytes_read``, ``rows_read``, ``memory_bytes`` (peak the stream holds)."""
+        ``resident_before``, ``warm_lookahead_batches``; windows mode: ``device`` (the
+        calibration and the chosen ``merge_gap``, ``max_read``, ``depth``),
+        ``window_cap_bytes``, ``windows``, ``runs``, ``bytes_read`` (device bytes),
+        ``payload_bytes``, ``rows_read``, ``memory_bytes`` (peak the stream holds),
+        ``within_budget``."""
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
 
     def close(self) -> None:

@@ -1,27 +1,34 @@
 """Corpus streaming from a cold table: `engramdb.stream` vs a plain np.memmap vs an in-RAM gather.
 
     python probes/stream.py [--gb 2.56] [--tokens 2000000] [--reps 2] [--batch-tokens 8192]
-                            [--dir D] [--keep] [--quick]
+                            [--budget-gb B] [--arms a,b] [--dir D] [--keep] [--quick]
+                            [--drop-caches]
 
 Builds a Qwen-PLE-geometry table (16 heads x 160 B, ~--gb GB) and a Zipf token corpus, and
-deletes both at the end. Every arm runs in a **fresh process** and every cold arm starts
-after ``sync; echo 1 > /proc/sys/vm/drop_caches`` (root) plus ``POSIX_FADV_DONTNEED`` of the
-table's files, with the residency checked (mincore) before it starts. Arms:
+deletes both at the end. Every arm runs in a **fresh process**; every cold arm starts after
+``POSIX_FADV_DONTNEED`` of the table's files (no mapping of ours holds them), with the
+residency checked (mincore) before it starts. ``--drop-caches`` (root) also writes
+``/proc/sys/vm/drop_caches`` first: it disturbs everything else on the machine, so it is off
+by default. Arms:
 
   ram            keygen + np.take from the table loaded into RAM (the reference: every other
                  arm's per-batch xxh3 digests must equal its digests, i.e. bit-equal output)
-  memmap_cold    keygen + plain np.memmap(shard)[rows] (what a naive user writes), cold
+  memmap_cold    keygen + plain np.memmap(shard)[rows], one fancy index per batch (what a
+                 naive user writes), cold
   stream_cold    db.stream(...) defaults, cold: the table fits the page-cache budget, so it
-                 is read sequentially in the background and then served from the mapping
+                 is read sequentially in the background, batches gathered as their rows land
   stream_warm    db.stream(...) defaults, table resident (right after stream_cold)
-  memmap_over / stream_over   the same two with the table 2x a page-cache budget: both run
-                 in a memory cgroup limited to budget + the interpreter's slack, the stream
-                 gets page_cache_budget=budget (windowed reads in file order, O_DIRECT)
+  memmap_over / stream_over   the same two with the table over a page-cache budget
+                 (--budget-gb, default half the table): both run in a memory cgroup (v1 or
+                 v2) limited to budget + the interpreter's slack, the stream gets
+                 page_cache_budget=budget (windows read in file order, O_DIRECT)
 
-An arm stops after --max-seconds (a thrashing memmap would take minutes): its figures and its
-bit-equality check then cover the prefix it streamed. Per arm: tokens/s, rows/s (16 per token), time to the first batch and the rate after it,
-device bytes read (/proc/self/io read_bytes) vs payload bytes (tokens x 2560), peak RSS,
-the cgroup's peak usage, the stream's stats (mode, calibration, windows, bytes read).
+An arm stops after --max-seconds (a thrashing memmap would take minutes; memmap_over gets
+5 s and indexes in slices of 64 rows so the cap holds): its figures and its bit-equality
+check then cover the prefix it streamed. Per arm: tokens/s, rows/s (16 per token), time to
+the first batch and the rate after it, device bytes read (/proc/self/io read_bytes) vs
+payload bytes (tokens x 2560), peak RSS, the cgroup's peak usage, the stream's stats (mode,
+calibration, windows, bytes read).
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ def arm_main(a: argparse.Namespace) -> None:
             e = out[:n]
             if a.arm == "ram":
                 np.take(table, ids.reshape(-1), axis=0, out=e.reshape(-1, ROW), mode="clip")
+            elif not a.slices:  # the naive user's code: one fancy index per batch
+                e[:] = table[ids]
             else:  # in slices, so the time cap holds even when one batch thrashes for minutes
                 for j in range(0, n, 64):
                     e[j : j + 64] = table[ids[j : j + 64]]
@@ -149,12 +158,16 @@ def arm_main(a: argparse.Namespace) -> None:
 
 
 # --- the driver ------------------------------------------------------------------------------
-def drop_caches(files: list[Path]) -> None:
+def drop_caches(files: list[Path], *, global_drop: bool = False) -> None:
+    """Evict ``files`` (``POSIX_FADV_DONTNEED``; the arm runs in a fresh process, so no
+    mapping of ours holds them). ``global_drop`` (``--drop-caches``, root) also writes
+    ``/proc/sys/vm/drop_caches``, which disturbs everything else on the machine."""
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1")
-    except OSError:
-        pass
+    if global_drop:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        except OSError:
+            pass
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -168,25 +181,41 @@ def residency(f: Path) -> float:
 
 
 def make_cgroup(limit: int) -> Path | None:
+    """A memory cgroup limited to ``limit`` bytes (v1 ``memory.limit_in_bytes`` or v2
+    ``memory.max``) under this process's own, or None where we may not make one."""
     try:
-        line = next(
-            ln for ln in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in ln
-        )
-        base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        v1 = next((ln for ln in lines if ":memory:" in ln), None)
+        if v1 is not None:
+            base = Path("/sys/fs/cgroup/memory") / v1.split(":", 2)[2].lstrip("/")
+            knob = "memory.limit_in_bytes"
+        else:
+            v2 = next(ln for ln in lines if ln.startswith("0::"))
+            base = Path("/sys/fs/cgroup") / v2.split(":", 2)[2].lstrip("/")
+            knob = "memory.max"
         cg = base / f"edb-stream-probe-{os.getpid()}"
         cg.mkdir(exist_ok=True)
-        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        (cg / knob).write_text(str(limit))
         return cg
     except (OSError, StopIteration):
         return None
 
 
 def cgroup_peak(cg: Path | None) -> int | None:
+    """The cgroup's peak memory since the last call (v1: reset after reading; v2:
+    ``memory.peak`` is reset by writing to it on kernels that allow it)."""
     if cg is None:
         return None
-    v = int((cg / "memory.max_usage_in_bytes").read_text())
-    (cg / "memory.max_usage_in_bytes").write_text("0")
-    return v
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        f = cg / name
+        if f.exists():
+            v = int(f.read_text().split()[0])
+            try:
+                f.write_text("0")
+            except OSError:
+                pass
+            return v
+    return None
 
 
 def run_arm(args: argparse.Namespace, arm: str, kind: str, work: Path, extra: list[str]) -> dict:
@@ -215,11 +244,26 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="1 GB table, 600 k tokens, 1 rep")
+    ap.add_argument(
+        "--arms", default=None, help="comma-separated subset of the arms (ram always runs)"
+    )
+    ap.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="also write /proc/sys/vm/drop_caches (root; disturbs a shared machine)",
+    )
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--db", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--slices", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="page-cache budget of the over-budget arms (default: half the table)",
+    )
     args = ap.parse_args()
     if args.arm:
         arm_main(args)
@@ -239,7 +283,7 @@ def main() -> None:
         corpus = (rng.zipf(args.zipf, args.tokens) - 1) % VOCAB
         corpus[rng.random(args.tokens) < 1 / 2000] = EOS
         np.save(work / "corpus.npy", corpus)
-        budget = table_bytes // 2
+        budget = int(args.budget_gb * 1e9) if args.budget_gb else table_bytes // 2
         cg = make_cgroup(budget + SLACK)
         print(
             f"table {table_bytes / 1e9:.2f} GB; corpus {args.tokens:,} Zipf({args.zipf}) tokens, "
@@ -257,7 +301,7 @@ def main() -> None:
             # a few seconds show it without hammering a shared disk for a minute
             "memmap_over": (
                 "memmap",
-                ["--max-seconds", str(min(5.0, args.max_seconds))]
+                ["--slices", "--max-seconds", str(min(5.0, args.max_seconds))]
                 + (["--cgroup", str(cg)] if cg else []),
                 True,
             ),
@@ -267,17 +311,21 @@ def main() -> None:
                 True,
             ),
         }
+        if args.arms:
+            keep = {"ram", *args.arms.split(",")}
+            arms = {k: v for k, v in arms.items() if k in keep}
         res: dict[str, list[dict]] = {k: [] for k in arms}
         ref: list[int] | None = None
         for r in range(args.reps):
             order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-            order.remove("stream_warm")  # warm follows stream_cold (the table is resident)
-            order.insert(order.index("stream_cold") + 1, "stream_warm")
+            if "stream_warm" in order and "stream_cold" in order:
+                order.remove("stream_warm")  # warm follows stream_cold (the table is resident)
+                order.insert(order.index("stream_cold") + 1, "stream_warm")
             print(f"rep {r}:")
             for name in order:
                 kind, extra, cold = arms[name]
                 if cold:
-                    drop_caches([shard])
+                    drop_caches([shard], global_drop=args.drop_caches)
                     left = residency(shard)
                     if left > 0.01:
                         raise SystemExit(f"eviction failed: {left:.1%} still resident")
@@ -312,33 +360,39 @@ def main() -> None:
         # the ram arm may not run first: check everything against it at the end
         med = {k: median([o["tokens_per_s"] for o in v]) for k, v in res.items()}
         all_equal = all(o["bit_equal"] is not False for v in res.values() for o in v)
-        over = res["stream_over"][-1]
-        oss = over.get("stream_stats", {})
-        print("\nstream_over stats:", json.dumps({k: v for k, v in oss.items()}, default=float))
-        print(
-            "stream_cold stats:",
-            json.dumps(res["stream_cold"][-1].get("stream_stats"), default=float),
-        )
+        for name in ("stream_over", "stream_cold"):
+            if res.get(name):
+                ss = res[name][-1].get("stream_stats")
+                print(f"\n{name} stats:", json.dumps(ss, default=float))
         print("\nsummary (medians, tokens/s):")
         for k, v in med.items():
             print(f"  {k:12s} {v / 1e3:9.1f} k")
-        dev_over = median([o["device_bytes"] / o["payload_bytes"] for o in res["stream_over"]])
-        cold_s = res["stream_cold"]
-        print(
-            f"  stream_cold: first batch after {median([o['first_batch_s'] for o in cold_s]):.2f} s, "
-            f"then {median([o['tokens_per_s_after_first'] for o in cold_s]) / 1e6:.2f} M tok/s; "
-            f"1 M tokens served after {median([o['t_1m_tokens'] or float('nan') for o in cold_s]):.2f} s"
-        )
-        print(
-            f"  stream_over: device {dev_over:.2f}x payload; stream memory {oss.get('memory_bytes', 0) / 1e9:.2f} GB "
-            f"of budget {budget / 1e9:.2f} GB; resident after {over['resident_after']:.0%} of the table"
-        )
+        cold_s = res.get("stream_cold") or []
+        if cold_s:
+            t1m = median([o["t_1m_tokens"] or float("nan") for o in cold_s])
+            print(
+                f"  stream_cold: first batch after {median([o['first_batch_s'] for o in cold_s]):.2f} s, "
+                f"then {median([o['tokens_per_s_after_first'] for o in cold_s]) / 1e6:.2f} M tok/s; "
+                f"1 M tokens served after {t1m:.2f} s"
+            )
+        over_s = res.get("stream_over") or []
+        if over_s:
+            over = over_s[-1]
+            oss = over.get("stream_stats", {})
+            dev_over = median([o["device_bytes"] / o["payload_bytes"] for o in over_s])
+            cgp = over.get("cgroup_peak_bytes")
+            print(
+                f"  stream_over: device {dev_over:.2f}x payload; stream memory "
+                f"{oss.get('memory_bytes', 0) / 1e9:.2f} GB of budget {budget / 1e9:.2f} GB; "
+                f"cgroup peak {(cgp or 0) / 1e9:.2f} GB (limit {(budget + SLACK) / 1e9:.2f} GB); "
+                f"resident after {over['resident_after']:.0%} of the table"
+            )
         print(f"  bit-equal in every arm: {all_equal}")
-        print(
-            f"ratio stream_cold / memmap_cold: {med['stream_cold'] / med['memmap_cold']:.2f}x; "
-            f"stream_over / memmap_over: {med['stream_over'] / med['memmap_over']:.2f}x; "
-            f"stream_warm / ram: {med['stream_warm'] / med['ram']:.2f}x"
-        )
+        ratios = [
+            (a, b) for a, b in (("stream_cold", "memmap_cold"), ("stream_over", "memmap_over"),
+                                ("stream_warm", "ram")) if a in med and b in med
+        ]  # fmt: skip
+        print("ratio " + "; ".join(f"{a} / {b}: {med[a] / med[b]:.2f}x" for a, b in ratios))
         doc.update(results=res, medians=med, table_bytes=table_bytes, budget=budget,
                    bit_equal=all_equal)  # fmt: skip
         print(f"json: {write_json('stream', doc)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -94,9 +95,12 @@ def test_buffers_are_reused_unless_copied(
     path, h, full = db_and_table
     seq = corpus(rng, (4000,))
     with engramdb.open(path) as db:
-        held = [e for _, e in db.stream(seq, preset=h, batch_tokens=100, depth=2)]
+        it = db.stream(seq, preset=h, batch_tokens=100, depth=2)
+        held = [e for _, e in it]
         bases = {e.base.ctypes.data if e.base is not None else 0 for e in held}
-        assert len(bases) <= 4, "a ring of depth + 2 buffers"
+        pre = it.stats().get("warm_lookahead_batches", 0)  # batches gathered while it warmed
+        assert len(bases) <= 4 + pre, "a ring of depth + 2 buffers"
+        assert len(held) > 4 + pre, "the ring is reused"
         owned = [e for _, e in db.stream(seq, preset=h, batch_tokens=100, copy=True)]
         assert np.array_equal(np.concatenate(owned), full[h.row_ids(seq, layer=2)])
 
@@ -248,3 +252,104 @@ def test_read_mode_arguments_are_checked(
             db.stream(np.arange(10), preset=h, page_cache_budget=0)
     with pytest.raises(InvalidArgument, match="local table"):
         engramdb.stream(MemoryTable(full, name="ple"), np.arange(10), preset=h, mode="windows")
+
+
+def test_gathers_served_while_the_table_warms_equal_the_rows(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    from engramdb.read.stream_warm import TableWarm
+
+    path, h, full = db_and_table
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        for p in {s.db_path / sh.path for sh in s.info.shards}:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        arr = s.array()
+        done: list[float] = []
+        # 4 KiB chunks: a row may straddle two of them; gathers start before the warm ends
+        w = TableWarm(arr, threads=2, chunk=4096, on_done=lambda dt, err: done.append(dt))
+        outs = []
+        gathers = []
+        for _ in range(4):
+            ids = rng.integers(0, s.n_rows, 3000)
+            out = np.empty((ids.size, 160), np.uint8)
+            t = threading.Thread(target=w.gather, args=(ids, out))
+            t.start()
+            gathers.append(t)
+            outs.append((ids, out))
+        pend = []
+        for _ in range(3):  # filled by the warm's filler thread, not by the caller
+            ids = rng.integers(0, s.n_rows, 2000)
+            out = np.empty((ids.size, 160), np.uint8)
+            pend.append(w.submit(ids, out))
+            outs.append((ids, out))
+        for t in gathers:
+            t.join()
+        for p in pend:
+            p.wait()
+        w.join()
+        assert w.done and len(done) == 1 and s.residency() == 1.0
+        for ids, out in outs:
+            assert np.array_equal(out, full[ids])
+        ids = rng.integers(0, s.n_rows, 500)
+        out = np.empty((500, 160), np.uint8)
+        w.gather(ids, out)  # once warm: one np.take
+        assert np.array_equal(out, full[ids])
+
+
+def test_windows_grow_with_the_budget_and_stay_within_it(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    path, h, full = db_and_table
+    seq = corpus(rng, (6_000,))
+    ref = full[h.row_ids(seq, layer=2)]
+    got = {}
+    with engramdb.open(path) as db:
+        nbytes = db["ple"].nbytes
+        for frac in (0.4, 0.9):
+            st = db.stream(
+                seq,
+                preset=h,
+                batch_tokens=200,
+                mode="windows",
+                page_cache_budget=int(frac * nbytes),
+            )
+            _, es = collect(st)
+            assert np.array_equal(np.concatenate(es).reshape(ref.shape), ref)
+            got[frac] = st.stats()
+    for s in got.values():
+        assert s["within_budget"] and s["memory_bytes"] <= s["page_cache_budget"]
+        assert s["payload_bytes"] == seq.size * 16 * 160
+        assert s["bytes_read"] >= s["rows_read"] * 160
+    small, large = got[0.4], got[0.9]
+    assert large["window_tokens_max"] > small["window_tokens_max"]
+    assert large["windows"] < small["windows"] and large["bytes_read"] < small["bytes_read"]
+
+
+def test_closing_a_stream_stops_its_warm(
+    db_and_table: tuple[Path, keygen.Hasher, np.ndarray], rng: np.random.Generator
+) -> None:
+    from engramdb.errors import StoreClosed
+    from engramdb.read.stream_warm import TableWarm
+
+    path, h, full = db_and_table
+    with engramdb.open(path) as db:
+        s = db["ple"]
+        for p in {s.db_path / sh.path for sh in s.info.shards}:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        w = TableWarm(s.array(), threads=1, chunk=4096)
+        w.stop()
+        w.join()
+        assert w.done or isinstance(w.error, StoreClosed)
+        if not w.done:
+            with pytest.raises(StoreClosed):
+                w.gather(np.arange(10), np.empty((10, 160), np.uint8))
+        before = threading.active_count()
+        it = db.stream(corpus(rng, (3000,)), preset=h, batch_tokens=100, mode="warm")
+        next(it)
+        it.close()
+        assert threading.active_count() <= before

@@ -103,3 +103,34 @@ def test_bad_knobs_are_refused() -> None:
         WindowMarks(-1)
     with pytest.raises(InvalidArgument, match="distinct"):
         WindowMarks(5).rank(np.arange(2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 499), max_size=200),
+    st.integers(1, 600),
+    st.booleans(),
+)
+def test_regions_give_the_distinct_rows_in_order_and_fix_their_ranks(
+    ids_l: list[int], region_rows: int, dense: bool
+) -> None:
+    ids = np.asarray(ids_l, dtype=np.int64)
+    marks = WindowMarks(500, dense_max_bytes=1 << 30 if dense else 0)
+    marks.add(ids)
+    got = list(marks.regions(region_rows))
+    rows = np.concatenate([r for _, r in got]) if got else np.empty(0, np.int64)
+    assert np.array_equal(rows, np.unique(ids))
+    bases = [b for b, _ in got]
+    assert bases == np.cumsum([0] + [r.size for _, r in got])[:-1].tolist()
+    for _, r in got:  # each piece lies inside one region
+        assert r.size and r[0] // region_rows == r[-1] // region_rows
+    assert np.array_equal(rows[marks.rank(ids)], ids)
+    packed = marks.freeze()
+    assert packed.count == rows.size == marks.count
+    marks.clear()
+    assert marks.count == 0 and marks.distinct().size == 0
+    marks.add(np.arange(0, 500, 7))  # the next window does not disturb the snapshot
+    assert np.array_equal(rows[packed.rank(ids)], ids)
+    assert packed.nbytes == WindowMarks.packed_nbytes(500)
+    with pytest.raises(InvalidArgument, match="region_rows"):
+        next(marks.regions(0))

@@ -6,9 +6,10 @@
   the time one extra random request costs (reading a gap that small is cheaper than a new
   request), a run is capped at ``max_read`` (a multiple of the gap, 1-8 MiB) and ``depth``
   runs are kept in flight (enough bytes for ~20 ms of sequential transfer).
-* `RunReader.load` reads a window's runs (`stream_plan.RunPlan`) in file order, ``depth``
-  runs per backend batch, and copies each run's rows into the window's compact row store;
-  the next batch of runs is read while the previous one is copied out.
+* `RunReader.load` reads a window's runs (`stream_plan.RunPlan`s, one per table region,
+  made lazily) in file order, ``depth`` runs per backend batch, and copies each run's rows
+  into the window's compact row store; two batches of runs are queued on the device while
+  the one before is copied out.
 
 Reads go through ``io_uring`` with ``O_DIRECT`` where it runs (device bytes = bytes read,
 no page-cache use: a table larger than the page cache is streamed without evicting anything
@@ -20,8 +21,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -135,7 +137,9 @@ class RunReader:
         self._bounce_bytes = profile.depth * self._slot
         self.backend = open_reader_backend(self._bounce_bytes)
         self._bounce = [np.empty(self._bounce_bytes, np.uint8) for _ in range(2)]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engramdb-runs")
+        # Two reading threads: both queued groups are on the device at once (each thread's
+        # backend bounce buffer is as large as one of ours).
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engramdb-runs")
         self._lock = threading.Lock()
         self.counters = {"windows": 0, "runs": 0, "bytes_read": 0, "rows": 0, "read_seconds": 0.0}
 
@@ -175,51 +179,75 @@ class RunReader:
                 os.posix_fadvise(int(fd), int(off), int(n), os.POSIX_FADV_DONTNEED)
         return dest
 
-    def load(self, plan: RunPlan, compact: np.ndarray) -> None:
-        """Read every run of ``plan`` and copy row ``plan.rows[i]`` into ``compact[i]``
-        (``compact``: C-contiguous uint8 ``[>= plan.n_rows, row_bytes]``)."""
+    def load(self, plans: RunPlan | Iterable[tuple[int, RunPlan]], compact: np.ndarray) -> None:
+        """Read every run of ``plans`` and copy row ``plan.rows[i]`` into
+        ``compact[base + i]`` (``compact``: C-contiguous uint8 ``[rows, row_bytes]``).
+
+        ``plans``: one `RunPlan` (base 0) or an iterable of ``(base, plan)``, taken lazily:
+        the next plan is made while the device reads. Two groups of runs are queued on the
+        device at any time (each into its own bounce buffer), so it never waits for a copy."""
+        items = self._items([(0, plans)] if isinstance(plans, RunPlan) else plans)
         flat = compact.reshape(-1)
-        groups = self._groups(plan)
         t0 = time.perf_counter()
-        pending: Future[np.ndarray] | None = None
-        if groups:
-            pending = self._pool.submit(self._read, plan, *groups[0], self._bounce[0])
+        queued: list[tuple[RunPlan, int, int, int, np.ndarray, Future[np.ndarray]]] = []
+        k = 0
+
+        def submit() -> None:
+            nonlocal k
+            item = next(items, None)
+            if item is not None:
+                base, plan, a, b = item
+                buf = self._bounce[k % 2]
+                queued.append(
+                    (plan, base, a, b, buf, self._pool.submit(self._read, plan, a, b, buf))
+                )
+                k += 1
+
         try:
-            self._copy_out(plan, groups, pending, flat)
+            submit()
+            submit()
+            while queued:
+                plan, base, a, b, buf, fut = queued[0]
+                self._copy_group(plan, base, a, b, fut.result(), buf, flat)
+                queued.pop(0)
+                submit()  # into the buffer just copied out
         except BaseException:
             # No read may still be landing in a bounce buffer once this call returns.
-            self._pool.submit(lambda: None).result()
+            wait_futures([q[-1] for q in queued])
             raise
-        c = self.counters
         with self._lock:
-            c["windows"] += 1
-            c["runs"] += plan.n_runs
-            c["bytes_read"] += plan.read_bytes
-            c["rows"] += plan.n_rows
-            c["read_seconds"] += time.perf_counter() - t0
+            self.counters["windows"] += 1
+            self.counters["read_seconds"] += time.perf_counter() - t0
 
-    def _copy_out(
-        self,
+    def _items(
+        self, plans: Iterable[tuple[int, RunPlan]]
+    ) -> Iterator[tuple[int, RunPlan, int, int]]:
+        c = self.counters
+        for base, plan in plans:
+            with self._lock:
+                c["runs"] += plan.n_runs
+                c["bytes_read"] += plan.read_bytes
+                c["rows"] += plan.n_rows
+            for a, b in self._groups(plan):
+                yield base, plan, a, b
+
+    @staticmethod
+    def _copy_group(
         plan: RunPlan,
-        groups: list[tuple[int, int]],
-        pending: Future[np.ndarray] | None,
+        base: int,
+        a: int,
+        b: int,
+        dest: np.ndarray,
+        buf: np.ndarray,
         flat: np.ndarray,
     ) -> None:
         rb = plan.row_bytes
-        for gi, (a, b) in enumerate(groups):
-            assert pending is not None
-            dest = pending.result()
-            buf = self._bounce[gi % 2]
-            if gi + 1 < len(groups):
-                pending = self._pool.submit(
-                    self._read, plan, *groups[gi + 1], self._bounce[(gi + 1) % 2]
-                )
-            r0, r1 = int(plan.first_row[a]), int(plan.first_row[b])
-            counts = np.diff(plan.first_row[a : b + 1])
-            run_of_row = np.repeat(np.arange(b - a), counts)
-            src = dest[run_of_row] + (plan.row_offset[r0:r1] - plan.offset[a:b][run_of_row])
-            dst = np.arange(r0, r1, dtype=np.int64) * rb
-            copy_segments(buf, src, rb, flat, dst)
+        r0, r1 = int(plan.first_row[a]), int(plan.first_row[b])
+        counts = np.diff(plan.first_row[a : b + 1])
+        run_of_row = np.repeat(np.arange(b - a), counts)
+        src = dest[run_of_row] + (plan.row_offset[r0:r1] - plan.offset[a:b][run_of_row])
+        dst = np.arange(base + r0, base + r1, dtype=np.int64) * rb
+        copy_segments(buf, src, rb, flat, dst)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -233,15 +261,20 @@ class WindowStream:
     """Corpus streaming for a table larger than the page-cache budget.
 
     A loader thread takes the corpus's batches in order, computes their row ids
-    (``rows_of``), and gathers them into a look-ahead window until the window's distinct
-    rows would pass ``window_cap_bytes`` (derived from ``budget`` after the fixed costs:
-    the bitmap, the bounce buffers, the output ring); it plans the window's runs in file
-    order (`stream_plan.plan_runs`, knobs from `calibrate`), reads them into the one
-    compact row store once the consumer is done with the previous window, and hands the
-    window over. The consumer gathers each batch from the compact store (one ``np.take``)
-    into a ring of two output buffers. Keygen and planning of the next window overlap the
-    consumer's use of the current one; nothing is read twice within a window and nothing
-    but the window stays resident. `close` stops the loader (after the read in progress).
+    (``rows_of``), and marks them into a look-ahead window until the window's distinct
+    rows would pass what the budget leaves after the fixed costs (the bitmap and two packed
+    rank snapshots, the bounce buffers, one output buffer, the planning of a few regions);
+    the ids themselves are dropped (the consumer recomputes them).
+    Once the consumer is done with the previous window it reads the window's rows region
+    by region of the table, in file order (`stream_plan.plan_runs` per region, knobs from
+    `calibrate`), into the one compact row store, and hands the window over. The consumer
+    recomputes each batch's ids, ranks them (`stream_plan.PackedRanks`) and gathers the
+    batch from the compact store (one ``np.take``). The windows are as large
+    as the budget allows: where a window touches most pages of the table, each window costs
+    one sequential pass over the table, so device bytes per payload byte fall as the window
+    grows. Keygen of the next window overlaps the consumer's use of the current one; nothing
+    is read twice within a window and nothing but the window stays resident. `close` stops
+    the loader (after the read in progress).
     """
 
     def __init__(
@@ -264,40 +297,47 @@ class WindowStream:
             profile = calibrate(cal, fds, sizes)
         finally:
             cal.close()
-        # Reads in flight take at most 1/24 of the budget (a small budget shrinks them).
-        max_read = max(64 << 10, min(profile.max_read, _pow2_floor(max(1, budget // 64))))
-        depth = max(2, min(profile.depth, budget // 24 // max_read))
+        # A group of reads takes at most ~1/128 of the budget (its bounce buffers and plans
+        # ~1/30): the rest is the window, and a larger window means fewer passes.
+        max_read = min(profile.max_read, max(64 << 10, _pow2_floor(max(1, budget // 256))))
+        depth = max(2, min(profile.depth, budget // 128 // max_read))
         profile = replace(profile, max_read=max_read, depth=depth)
-        # A dense rank array (4 B per table row, ~20x faster ranks than a binary search)
-        # while it costs at most 1/8 of the budget.
-        self._marks = WindowMarks(int(geometry.n_rows), dense_max_bytes=budget // 8)
+        # The bitmap (1 B per table row) marks a window; its ranks come from a packed
+        # snapshot (`PackedRanks`, 0.19 B per row; two alive: the window served and the one
+        # being read), so the window's ids need not be kept: the consumer recomputes them.
+        n_rows = int(geometry.n_rows)
+        self._marks = WindowMarks(n_rows, dense_max_bytes=0)
+        ranks_bytes = 2 * WindowMarks.packed_nbytes(n_rows)
         self._reader = RunReader(fds, profile, rb)
-        self._ring = [np.empty(slot_bytes, np.uint8) for _ in range(2)]
-        # The backend's own bounce buffer is as large as one of ours.
-        fixed = 2 * slot_bytes + self._marks.nbytes + self._reader.nbytes * 3 // 2
-        # What is left: 88 % for the window's rows (compact copy + planning), 12 % for its ids (int64 while
-        # the window grows, int32 ranks once planned: 12 B per row id).
-        left = max(0, int(0.95 * budget) - fixed)
-        slot_rows = slot_bytes // rb
-        self._cap_rows = max(int(0.88 * left) // (rb + PLAN_BYTES_PER_ROW), slot_rows, 1)
-        self._max_tokens = max(1, int(0.12 * left) // (12 * self._heads))
-        self._compact = np.empty((self._cap_rows, rb), np.uint8)
+        # Regions of about one group of reads: their plans are made while the device reads.
+        self._region_rows = max(1, depth * max_read // rb)
+        plan_bytes = 3 * self._region_rows * PLAN_BYTES_PER_ROW  # made, queued, in flight
+        # One output buffer: a batch is valid until the next one is asked for.
+        self._out = np.empty(slot_bytes, np.uint8)
+        # Each reading thread's backend bounce buffer is as large as one of ours.
+        fixed = slot_bytes + self._marks.nbytes + ranks_bytes + 2 * self._reader.nbytes + plan_bytes
+        # What is left holds the window: its distinct rows and its token ids (8 B a token,
+        # should the corpus hand out copies).
+        self._window_bytes = max(0, int(0.98 * budget) - fixed)
+        self._id_bytes = 8  # per token
+        cap_rows = max(self._window_bytes // rb, slot_bytes // rb, 1)
+        # Virtual until touched: a window commits only the rows it holds.
+        self._compact = np.empty((cap_rows, rb), np.uint8)
+        self._committed = 0  # the most rows any window held (their pages stay committed)
         self._stats = stats
-        memory = (
-            fixed + self._cap_rows * (rb + PLAN_BYTES_PER_ROW) + self._max_tokens * 12 * self._heads
-        )
         stats.update(
             device=profile.as_dict(),
             backend=self._reader.backend.name,
             direct=self._reader.direct,
-            window_cap_bytes=self._cap_rows * rb,
-            window_max_tokens=self._max_tokens,
-            memory_bytes=memory,
-            within_budget=memory <= budget,
+            window_cap_bytes=cap_rows * rb,
+            fixed_bytes=fixed,
+            memory_bytes=fixed,
+            within_budget=True,
             windows=0,
             runs=0,
             bytes_read=0,
             rows_read=0,
+            payload_bytes=0,
             window_tokens_max=0,
             plan_seconds=0.0,
             wait_seconds=0.0,
@@ -315,19 +355,17 @@ class WindowStream:
             self._queue.append(item)
             self._cond.notify_all()
 
-    def _ship(self, pending: list[tuple[Any, int, np.ndarray]], ntok: int) -> bool:
-        """Plan, read and hand over one window; False when stopped."""
+    def _plans(self) -> Iterator[tuple[int, RunPlan]]:
+        prof = self._reader.profile
+        for base, rows in self._marks.regions(self._region_rows, keep_rows=False):
+            t0 = time.perf_counter()
+            plan = plan_runs(rows, self._geometry, merge_gap=prof.merge_gap, max_read=prof.max_read)
+            self._stats["plan_seconds"] += time.perf_counter() - t0
+            yield base, plan
+
+    def _ship(self, pending: list[tuple[Any, int]], ntok: int) -> bool:
+        """Read and hand over one window; False when stopped."""
         marks = self._marks
-        t0 = time.perf_counter()
-        rows = marks.distinct()
-        plan = plan_runs(
-            rows,
-            self._geometry,
-            merge_gap=self._reader.profile.merge_gap,
-            max_read=self._reader.profile.max_read,
-        )
-        batches = [(tokens, skip, marks.rank(r)) for tokens, skip, r in pending]
-        marks.clear()
         t1 = time.perf_counter()
         with self._cond:
             while not self._free and not self._stop:
@@ -336,21 +374,35 @@ class WindowStream:
                 return False
             self._free = False
         t2 = time.perf_counter()
-        self._reader.load(plan, self._compact)
+        c0 = dict(self._reader.counters)
+        self._reader.load(self._plans(), self._compact)
+        c1 = self._reader.counters
+        ranks = marks.freeze()
+        n_distinct = marks.count
+        marks.clear()
         st = self._stats
-        st["plan_seconds"] += t1 - t0
         st["wait_seconds"] += t2 - t1
         st["load_seconds"] += time.perf_counter() - t2
         st["windows"] += 1
-        st["runs"] += plan.n_runs
-        st["bytes_read"] += plan.read_bytes
-        st["rows_read"] += plan.n_rows
+        st["runs"] += c1["runs"] - c0["runs"]
+        st["bytes_read"] += c1["bytes_read"] - c0["bytes_read"]
+        st["rows_read"] += c1["rows"] - c0["rows"]
         st["window_tokens_max"] = max(st["window_tokens_max"], ntok)
-        self._put(batches)
+        self._committed = max(self._committed, n_distinct)
+        mem = st["fixed_bytes"] + self._committed * self._rb + ntok * self._id_bytes
+        st["memory_bytes"] = max(st["memory_bytes"], mem)
+        st["within_budget"] = st["memory_bytes"] <= st["page_cache_budget"]
+        self._put((pending, ranks))
         return True
 
+    def _full(self, new_rows: int, ntok: int) -> bool:
+        """Would the window pass its bytes with ``new_rows`` more (distinct, at most) rows
+        and ``ntok`` tokens?"""
+        rows = max(self._committed, self._marks.count + new_rows)
+        return rows * self._rb + ntok * self._id_bytes > self._window_bytes
+
     def _load(self, work: Iterator[tuple[Any, int]], rows_of: Callable[[Any], np.ndarray]) -> None:
-        pending: list[tuple[Any, int, np.ndarray]] = []
+        pending: list[tuple[Any, int]] = []
         ntok = 0
         err: BaseException | None = None
         try:
@@ -359,13 +411,13 @@ class WindowStream:
                     if self._stop:
                         return
                     rows = rows_of(tokens)
-                    full = self._marks.count + rows.size > self._cap_rows
-                    if pending and (full or ntok + tokens.size > self._max_tokens):
+                    if pending and self._full(rows.size, ntok + int(tokens.size)):
                         if not self._ship(pending, ntok):
                             return
                         pending, ntok = [], 0
                     self._marks.add(rows)
-                    pending.append((tokens, skip, rows))
+                    del rows  # recomputed by the consumer: a window keeps no ids
+                    pending.append((tokens, skip))
                     ntok += int(tokens.size)
             except BaseException as e:  # corpus or keygen: after the batches before it
                 err = e
@@ -385,7 +437,6 @@ class WindowStream:
         )
         self._thread.start()
         rb, heads, st = self._rb, self._heads, self._stats
-        k = 0
         try:
             while True:
                 with self._cond:
@@ -396,21 +447,22 @@ class WindowStream:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                for tokens, skip, rank in item:
-                    buf = self._ring[k % 2]
-                    k += 1
+                batches, ranks = item
+                last = len(batches) - 1
+                for j, (tokens, skip) in enumerate(batches):
                     shape = tokens.shape + (heads, rb)
-                    e = buf[: int(np.prod(shape))].reshape(shape)
-                    np.take(
-                        self._compact, rank.reshape(-1), axis=0, out=e.reshape(-1, rb), mode="clip"
-                    )
+                    e = self._out[: int(np.prod(shape))].reshape(shape)
+                    rank = ranks.rank(rows_of(tokens).reshape(-1))
+                    np.take(self._compact, rank, axis=0, out=e.reshape(-1, rb), mode="clip")
+                    if j == last:  # the window's rows are no longer needed: load the next
+                        with self._cond:
+                            self._free = True
+                            self._cond.notify_all()
                     t, out = (tokens[skip:], e[skip:]) if skip else (tokens, e)
                     st["batches"] += 1
                     st["tokens"] += int(t.size)
+                    st["payload_bytes"] += int(t.size) * heads * rb
                     yield (t, out.copy()) if copy else (t, out)
-                with self._cond:
-                    self._free = True
-                    self._cond.notify_all()
         finally:
             self.close()
 
