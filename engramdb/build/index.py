@@ -39,7 +39,8 @@ from engramdb.disk.publish import (
     read_manifest,
 )
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
-from engramdb.keygen import Hasher, LayerTables, as_hasher, column_mixes
+from engramdb.keygen import Hasher, LayerTables, column_mixes
+from engramdb.keygen.presets import is_preset_name, preset_for_table
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import FORMAT, VERSION, pick_table
 from engramdb.units import per_second
@@ -315,8 +316,10 @@ def _write_arrays(path: Path, arrays: list[np.ndarray]) -> dict[str, Any]:
 
 
 # --- public API -----------------------------------------------------------------------------
-def _resolve_hasher(spec: str | Hasher, token_map: Any) -> tuple[Hasher, str]:
-    h = as_hasher(spec, token_map=token_map)
+def _resolve_hasher(spec: str | Hasher, token_map: Any, info: TableInfo) -> tuple[Hasher, str]:
+    h = preset_for_table(spec, info.extra.get("keygen"), token_map=token_map)
+    if isinstance(spec, str) and is_preset_name(h.name):
+        return h, str(h.name)  # with its scale: "qwen3.8-flash-next@tiny"
     return h, (spec if isinstance(spec, str) else h.name or h.kind)
 
 
@@ -352,7 +355,7 @@ def build_index(
     db = Path(db_path)
     info = pick_table(read_manifest(db), table, db)
     table_name = info.name
-    h, label = _resolve_hasher(preset, token_map)
+    h, label = _resolve_hasher(preset, token_map, info)
     lt = h.layer_tables(layer)
     _check_fit(info, lt, table_name)
     if hot_rows < 0:
