@@ -128,13 +128,12 @@ def build_cmd(
         from engramdb.build.table import preset_layout
 
         layout = preset_layout(preset, scale=scale, layer=layer)
-        if row_bytes is None:
-            row_bytes = layout["row_bytes"]
-        if row_bytes is None:
-            raise click.BadParameter(f"preset {preset!r} has no fixed row format: give --row-bytes")
+        row_bytes = row_bytes or layout["row_bytes"]
         rows_total = sum(layout["heads"])
     else:
-        rows_total = sum(int_list(heads) or ())
+        rows_total = sum(int_list(heads) or [])
+    if row_bytes is None:
+        raise click.BadParameter(f"preset {preset!r} has no fixed row format: give --row-bytes")
     if synthetic is not None:
         total = rows_total * row_bytes
     else:
