@@ -24,6 +24,7 @@ printed and asserted.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import re
@@ -88,7 +89,11 @@ def _tiny_safetensors(path: Path, rows: np.ndarray, names: list[str]) -> None:
     parts = np.array_split(rows, len(names))
     header, off = {}, 0
     for name, part in zip(names, parts, strict=True):
-        header[name] = {"dtype": "U8", "shape": list(part.shape), "data_offsets": [off, off + part.nbytes]}
+        header[name] = {
+            "dtype": "U8",
+            "shape": list(part.shape),
+            "data_offsets": [off, off + part.nbytes],
+        }
         off += part.nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -154,6 +159,21 @@ def _server(work: Path) -> Iterator[Path]:
         server.stop()
 
 
+def _close_all(ns: dict[str, object]) -> None:
+    """Close what a page left open (databases, clients, views), as its reader's exit would."""
+    for value in list(ns.values()):
+        close = getattr(value, "close", None)
+        if (
+            callable(close)
+            and not isinstance(value, type)
+            and type(value).__module__.startswith("engramdb")
+        ):
+            with contextlib.suppress(Exception):
+                close()
+    ns.clear()
+    gc.collect()
+
+
 def _run_python(block: Block, ns: dict[str, object], work: Path) -> None:
     code = compile(block.code, f"{block.label}", "exec")
     old = os.getcwd()
@@ -176,7 +196,9 @@ def _run_bash(block: Block, work: Path, bindir: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert r.returncode == 0, f"{block.label} failed:\n{block.code}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    assert r.returncode == 0, (
+        f"{block.label} failed:\n{block.code}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    )
 
 
 def test_block_extraction_sees_every_fence() -> None:
@@ -192,7 +214,9 @@ def test_block_extraction_sees_every_fence() -> None:
         assert len(extract(page)) == len(runnable), page
 
 
-def test_docs_blocks_run(fixture_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_docs_blocks_run(
+    fixture_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     executed: list[str] = []
     skipped: list[str] = []
     failures: list[str] = []
@@ -228,9 +252,12 @@ def test_docs_blocks_run(fixture_dir: Path, tmp_path: Path, capsys: pytest.Captu
                     failures.append(f"{block.label}: {type(e).__name__}: {e}"[:3000])
             executed.append(block.label)
             took.append((time.perf_counter() - t0, block.label))
+        _close_all(ns)
     with capsys.disabled():
-        print(f"\ndocs test: executed {len(executed) - len(failures)} of {len(executed)} run blocks "
-              f"({len(skipped)} skipped: {'; '.join(skipped)}); slowest: "
-              + ", ".join(f"{label} {dt:.1f} s" for dt, label in sorted(took)[::-1][:4]))
+        print(
+            f"\ndocs test: executed {len(executed) - len(failures)} of {len(executed)} run blocks "
+            f"({len(skipped)} skipped: {'; '.join(skipped)}); slowest: "
+            + ", ".join(f"{label} {dt:.1f} s" for dt, label in sorted(took)[::-1][:4])
+        )
     assert not failures, "\n\n".join(failures)
     assert len(executed) >= 20
