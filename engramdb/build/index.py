@@ -96,7 +96,9 @@ def _check_fit(info: TableInfo, lt: LayerTables, table: str) -> None:
     n_rows = info.n_rows
     if lt.table_rows > n_rows:
         raise InvalidArgument(
-            f"layer {lt.layer} addresses {lt.table_rows:,} rows but table {table!r} has {n_rows:,}"
+            f"layer {lt.layer} addresses {lt.table_rows:,} rows but table {table!r} has "
+            f"{n_rows:,} (a table built with `build --preset` has the preset's heads, pad head "
+            f"included; a table built with --scale needs the same scale)"
         )
     if len(info.heads) == lt.n_heads:
         offsets = info.head_offsets.tolist()
