@@ -14,8 +14,8 @@ A block is steered by an HTML comment on the line just above its fence:
   master on another host); the reason is reported.
 * ``<!-- docs-test: needs=server -->`` — run while ``engramdb serve DB`` listens on a Unix
   socket; ``/run/engramdb.sock`` in the block means that socket.
-* ``<!-- docs-test: needs=MODULE[,MODULE] -->`` — skipped (with the reason) when a module is
-  not importable.
+* ``<!-- docs-test: needs=MODULE[,cmd:PROGRAM] -->`` — skipped (with the reason) when a module
+  is not importable or a program is not on ``PATH``.
 
 Blocks that are not meant to run are fenced ```text. The count of executed blocks is
 printed and asserted.
@@ -143,8 +143,16 @@ def _workdir(fixture: Path, tmp: Path, page: str) -> Path:
 
 def _missing(directive: str) -> list[str]:
     m = re.search(r"needs=([\w,.-]+)", directive)
-    mods = [] if not m else [n for n in m.group(1).split(",") if n != "server"]
-    return [n for n in mods if importlib.util.find_spec(n) is None]
+    names = [] if not m else [n for n in m.group(1).split(",") if n != "server"]
+    return [
+        n
+        for n in names
+        if (
+            shutil.which(n[4:]) is None
+            if n.startswith("cmd:")
+            else importlib.util.find_spec(n) is None
+        )
+    ]
 
 
 @contextlib.contextmanager
