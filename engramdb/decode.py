@@ -32,7 +32,7 @@ import numpy as np
 
 from engramdb.errors import InvalidArgument, ShapeMismatch
 from engramdb.io.residency import resident_count
-from engramdb.keygen import preset as keygen_preset
+from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.prefetch import QUEUED, Ticket
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
@@ -88,7 +88,8 @@ class Decoder:
         compressed: bool = False,
         auto_recheck_s: float = 0.1,
     ):
-        h = keygen_preset(preset) if isinstance(preset, str) else preset
+        first = stores if isinstance(stores, RowTable) else next(iter(stores.values()), None)
+        h = preset_for_table(preset, table_record(first)) if isinstance(preset, str) else preset
         if isinstance(stores, RowTable):
             if layer is None:
                 if len(h.layers) != 1:

@@ -17,7 +17,7 @@ import numpy as np
 from engramdb.disk.publish import read_manifest
 from engramdb.errors import InvalidArgument, TableNotFound
 from engramdb.io.tiers import process_rss
-from engramdb.keygen import preset as keygen_preset
+from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import load_index
 from engramdb.read.prefetch import Ticket
@@ -170,7 +170,7 @@ class Store(LocalTable):
             return preset
         h = self._hashers.get(preset)
         if h is None:
-            h = self._hashers[preset] = keygen_preset(preset)
+            h = self._hashers[preset] = preset_for_table(preset, table_record(self))
         return h
 
     # -- Store-P views -------------------------------------------------------------------------

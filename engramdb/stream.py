@@ -31,7 +31,7 @@ import numpy as np
 from engramdb.corpus import corpus_files, open_tokens
 from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
-from engramdb.keygen import preset as keygen_preset
+from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.stream_read import WindowStream
 from engramdb.read.stream_warm import Pending, TableWarm
 from engramdb.read.table import LocalTable
@@ -211,7 +211,7 @@ def stream(
             f"batch_tokens, depth and workers must be >= 1: {batch_tokens}, {depth}, {workers}"
         )
     store = _resolve_store(source, table)
-    h = keygen_preset(preset) if isinstance(preset, str) else preset
+    h = preset_for_table(preset, table_record(store)) if isinstance(preset, str) else preset
     if layer is None:
         if len(h.layers) != 1:
             raise InvalidArgument(f"the hasher has layers {list(h.layers)}: pass layer=")

@@ -109,7 +109,76 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "M rows/s" in r.stdout and "engramdb info" in r.stdout
-    shutil.rmtree(tmp_path / "demo")
+    steps = [line for line in r.stdout.splitlines() if line.startswith("[")]
+    assert [line[:5] for line in steps] == [f"[{i}/8]" for i in range(1, 9)]
+    assert all(" | " in line for line in steps)  # every step names its baseline
+    assert "np.take(out=) on a populated mapping" in steps[4]
+    assert f"files kept in {tmp_path / 'demo'}" in r.stdout
+    assert (tmp_path / "demo" / "db" / "manifest.json").is_file()
+    r = subprocess.run(
+        cmd + ["demo", str(tmp_path / "demo"), "--seconds", "0.05", "--clean"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"removed {tmp_path / 'demo'}" in r.stdout and not (tmp_path / "demo").exists()
+
+
+def test_build_preset_scale_synthetic_cli(tmp_path: Path) -> None:
+    """`build --preset P --scale tiny --synthetic 1`: the preset's heads (pad head included),
+    row format and scale recorded; the same seed gives the same bytes."""
+    from engramdb.build.table import synthetic_bytes
+    from engramdb.database import open as open_db
+    from engramdb.keygen.presets import table_heads
+
+    runner = CliRunner()
+    for name in ("a", "b"):
+        r = runner.invoke(
+            main,
+            [
+                "build",
+                str(tmp_path / name),
+                "--table",
+                "ple",
+                "--preset",
+                "qwen3.8-flash-next",
+                "--scale",
+                "tiny",
+                "--synthetic",
+                "1",
+                "--quiet",
+            ],
+        )
+        assert r.exit_code == 0, r.output
+    tiny = engramdb.keygen.preset("qwen3.8-flash-next", scale="tiny")
+    with open_db(tmp_path / "a") as a, open_db(tmp_path / "b") as b:
+        assert list(a["ple"].info.heads) == table_heads(tiny, 2)
+        assert a["ple"].row_bytes == 160 and a["ple"].info.dtype == "fp8_e4m3"
+        assert a["ple"].info.extra["keygen"] == {"preset": "qwen3.8-flash-next@tiny", "layer": 2}
+        ids = np.array([0, 12_345, a["ple"].n_rows - 1])
+        got = a["ple"].fetch(ids)
+        assert got.tobytes() == b["ple"].fetch(ids).tobytes()
+        flat = synthetic_bytes(1, 0, a["ple"].n_rows * 160).reshape(-1, 160)
+        assert got.tobytes() == flat[ids].tobytes()
+    r = runner.invoke(
+        main,
+        [
+            "build",
+            str(tmp_path / "c"),
+            "--table",
+            "t",
+            "--scale",
+            "tiny",
+            "--synthetic",
+            "1",
+            "--heads",
+            "4",
+            "--row-bytes",
+            "8",
+        ],
+    )
+    assert r.exit_code != 0 and "--preset" in r.output
 
 
 # Extras a user may not have: the README's first command (`pip install -e .`) installs none.

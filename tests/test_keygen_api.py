@@ -300,3 +300,156 @@ def test_keys_are_layer_independent_contexts() -> None:
     for layer in h.layers:
         want = h.row_ids(ids, layer=layer, compressed=True, mask=keys[:, 0] == 2)
         assert h.hash_keys(keys, layer=layer).tolist() == want.tolist()
+
+
+# --- presets at reduced scale ---------------------------------------------------------------
+def _wrap(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _qwen_reference(tokens: list[int], h: keygen.Hasher, layer: int) -> np.ndarray:
+    """docs/keygen.md's Qwen rule, in plain Python ints, from the hasher's constants."""
+    mult = [int(m) for m in h.multipliers(layer)]
+    primes, offsets = h.primes(layer).tolist(), h.offsets(layer).tolist()
+    eos, n_max, heads = h.info["eos_token_id"], h.max_ngram, h.heads_per_ngram
+    out = []
+    for t in range(len(tokens)):
+        back, blocked = [], False
+        for k in range(n_max):
+            if not blocked and t - k >= 0 and (k == 0 or tokens[t - k] != eos):
+                back.append(tokens[t - k])
+            else:
+                blocked = True
+                back.append(eos)
+        row = []
+        for n in range(2, n_max + 1):
+            mix = 0
+            for k in range(n):
+                mix ^= _wrap(back[k] * mult[k])
+            for j in range(heads):
+                col = (n - 2) * heads + j
+                row.append(mix % primes[col] + offsets[col])
+        out.append(row)
+    return np.array(out, dtype=np.int64)
+
+
+def test_tiny_qwen_keeps_the_algorithm() -> None:
+    full = keygen.preset("qwen3.8-flash-next")
+    tiny = keygen.preset("qwen3.8-flash-next", scale="tiny")
+    assert tiny.name == "qwen3.8-flash-next@tiny" and tiny.info["scale"] == "tiny"
+    assert keygen.preset("qwen3.8-flash-next@tiny").primes(2).tolist() == tiny.primes(2).tolist()
+    assert tiny.multipliers(2).tolist() == full.multipliers(2).tolist()
+    assert (tiny.layers, tiny.max_ngram, tiny.heads_per_ngram, tiny.n_heads) == (
+        full.layers,
+        full.max_ngram,
+        full.heads_per_ngram,
+        full.n_heads,
+    )
+    assert tiny.info["eos_token_id"] == full.info["eos_token_id"] == 248_044
+    primes = tiny.primes(2).tolist()
+    assert primes[0] == 20_011 and len(primes) == 16 and primes == sorted(set(primes))
+    assert tiny.table_rows(2) % 128 == 0 and 0 < tiny.table_rows(2) - sum(primes) < 128
+    small = keygen.preset("qwen3.8-flash-next", scale="small")
+    assert small.primes(2).min() >= 200_000 and small.table_rows(2) % 128 == 0
+    eos = 248_044
+    tokens = [9707, 11, 1879, eos, 5, 248_319, 0, eos, eos, 77]
+    got = tiny.row_ids(np.array(tokens), layer=2)
+    assert np.array_equal(got, _qwen_reference(tokens, tiny, 2))
+    assert np.array_equal(full.row_ids(np.array(tokens), layer=2), _qwen_reference(tokens, full, 2))
+    stream = tiny.stream(layer=2)
+    assert np.array_equal(np.stack([stream.push(t) for t in tokens]), got)
+    with pytest.raises(TokenIdOutOfRange):
+        tiny.row_ids([248_320])  # the vocabulary is not scaled
+
+
+def test_tiny_deepseek_and_gemma_keep_their_rules() -> None:
+    full = keygen.preset("deepseek-v4.1-flash")
+    tiny = keygen.preset("deepseek-v4.1-flash", scale="tiny")
+    assert tiny.layers == (1, 14) and tiny.n_heads == 24 and tiny.info["row_bytes"] == 264
+    for layer in (1, 14):
+        assert tiny.multipliers(layer).tolist() == full.multipliers(layer).tolist()
+        assert tiny.primes(layer).min() > 16_000 - 1
+    assert len(set(tiny.primes(1).tolist()) | set(tiny.primes(14).tolist())) == 48
+    ids = np.array([[5, 17, 993, 42, 0, 42]])
+    dead = np.array([[False, False, True, False, False, False]])
+    # the sticky dead-token rule: after a dead position the look-back sees the pad only
+    a = tiny.row_ids(ids, layer=1, compressed=True, mask=dead)
+    b = tiny.row_ids(np.array([[2, 2, 2, 42, 0, 42]]), layer=1, compressed=True)
+    assert np.array_equal(a[0, 3:], b[0, 3:])
+    g = keygen.preset("gemma3n-e2b", scale="tiny")
+    assert g.table_rows() == 262 and g.name == "gemma3n-e2b@tiny"
+    assert g.row_ids([5, 261, 262, 100_000])[..., 0].tolist() == [5, 261, 0, 0]
+
+
+def test_scale_errors_and_table_heads() -> None:
+    from engramdb.keygen.presets import table_heads
+
+    with pytest.raises(InvalidArgument, match="unknown scale 'huge'"):
+        keygen.preset("qwen3.8-flash-next", scale="huge")
+    with pytest.raises(InvalidArgument, match="names scale 'tiny'"):
+        keygen.preset("qwen3.8-flash-next@tiny", scale="small")
+    with pytest.raises(InvalidArgument, match="unknown preset"):
+        keygen.preset("nope@tiny")
+    heads = table_heads(keygen.preset("qwen3.8-flash-next"), 2)
+    assert len(heads) == 17 and heads[-1] == 90 and sum(heads) == 320_001_536
+    assert table_heads(keygen.preset("gemma3n-e4b")) == [262_144]
+
+
+def test_build_preset_synthetic_then_index_view_decode_stream(tmp_path) -> None:
+    import engramdb.database as database
+    from engramdb.build import build_view
+    from engramdb.build.index import build_index
+    from engramdb.build.table import build, synthetic_bytes
+    from engramdb.decode import Decoder
+
+    db = tmp_path / "db"
+    s = build(db, "ple", None, [], preset="qwen3.8-flash-next", scale="tiny", synthetic=7)
+    tiny = keygen.preset("qwen3.8-flash-next@tiny")
+    assert s.rows == tiny.table_rows(2) == 321_280
+    raw = b"".join(p.read_bytes() for p in sorted((db / "ple").glob("g-*/*")) if p.is_file())
+    assert raw[: s.bytes] == synthetic_bytes(7, 0, s.bytes).tobytes()
+    build(db, "again", None, [], preset="qwen3.8-flash-next", scale="tiny", synthetic=7)
+    build(db, "other", None, [], preset="qwen3.8-flash-next", scale="tiny", synthetic=8)
+    corpus = tmp_path / "corpus.npy"
+    np.save(corpus, np.random.default_rng(0).integers(0, 248_320, (2, 300)).astype(np.int32))
+    ix = build_index(corpus, db, preset="qwen3.8-flash-next", table="ple")
+    assert ix.distinct_keys > 0
+    build_view(db, table="ple", name="corpus", from_index=True)
+    tokens = np.load(corpus)
+    with database.open(db) as d:
+        ple = d["ple"]
+        want = ple.fetch(tiny.row_ids(tokens[0, :3], layer=2).reshape(-1)).reshape(3, 16, 160)
+        assert ple.fetch([5]).tobytes() == d["again"].fetch([5]).tobytes()
+        assert ple.fetch([5]).tobytes() != d["other"].fetch([5]).tobytes()
+        dec = Decoder(ple, "qwen3.8-flash-next", layer=2)
+        out = np.empty((16, 160), np.uint8)
+        for t in range(3):
+            dec.push(int(tokens[0, t]))
+            dec.fill(out)
+            assert np.array_equal(out, want[t])
+        got = list(d.stream(str(corpus), table="ple", preset="qwen3.8-flash-next", layer=2))
+        assert np.array_equal(got[0][1][0, :3], want)
+        assert ple.view("corpus").n_records == ix.distinct_keys
+    with pytest.raises(InvalidArgument, match="addresses"):
+        build_index(corpus, db, preset="qwen3.8-flash-next@small", table="ple")
+
+
+def test_build_preset_refusals(tmp_path) -> None:
+    from engramdb.build.table import build
+
+    db = tmp_path / "db"
+    with pytest.raises(InvalidArgument, match="layer"):
+        build(db, "t", None, [], preset="deepseek-v4.1-flash", scale="tiny", synthetic=1)
+    s = build(db, "t", None, [], preset="deepseek-v4.1-flash", scale="tiny", layer=14, synthetic=1)
+    assert s.rows == keygen.preset("deepseek-v4.1-flash@tiny").table_rows(14)
+    with pytest.raises(InvalidArgument, match="heads"):
+        build(db, "u", 160, [], heads=[3], preset="qwen3.8-flash-next", synthetic=1)
+    with pytest.raises(InvalidArgument, match="--preset"):
+        build(db, "u", 160, [], heads=[3], scale="tiny", synthetic=1)
+    with pytest.raises(InvalidArgument, match="no sources"):
+        build(db, "u", 16, [np.zeros((3, 16), np.uint8)], heads=[3], synthetic=1)
+    with pytest.raises(InvalidArgument, match="seed"):
+        build(db, "u", 16, [], heads=[3], synthetic=-1)
+    with pytest.raises(InvalidArgument, match="row_bytes"):
+        build(db, "u", None, [], preset="deepseek-engram-demo", layer=1, synthetic=1)

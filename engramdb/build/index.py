@@ -39,7 +39,8 @@ from engramdb.disk.publish import (
     read_manifest,
 )
 from engramdb.errors import InvalidArgument, TokenIdOutOfRange
-from engramdb.keygen import Hasher, LayerTables, as_hasher, column_mixes
+from engramdb.keygen import Hasher, LayerTables, column_mixes
+from engramdb.keygen.presets import is_preset_name, preset_for_table
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import FORMAT, VERSION, pick_table
 from engramdb.units import per_second
@@ -95,7 +96,9 @@ def _check_fit(info: TableInfo, lt: LayerTables, table: str) -> None:
     n_rows = info.n_rows
     if lt.table_rows > n_rows:
         raise InvalidArgument(
-            f"layer {lt.layer} addresses {lt.table_rows:,} rows but table {table!r} has {n_rows:,}"
+            f"layer {lt.layer} addresses {lt.table_rows:,} rows but table {table!r} has "
+            f"{n_rows:,} (a table built with `build --preset` has the preset's heads, pad head "
+            f"included; a table built with --scale needs the same scale)"
         )
     if len(info.heads) == lt.n_heads:
         offsets = info.head_offsets.tolist()
@@ -315,8 +318,10 @@ def _write_arrays(path: Path, arrays: list[np.ndarray]) -> dict[str, Any]:
 
 
 # --- public API -----------------------------------------------------------------------------
-def _resolve_hasher(spec: str | Hasher, token_map: Any) -> tuple[Hasher, str]:
-    h = as_hasher(spec, token_map=token_map)
+def _resolve_hasher(spec: str | Hasher, token_map: Any, info: TableInfo) -> tuple[Hasher, str]:
+    h = preset_for_table(spec, info.extra.get("keygen"), token_map=token_map)
+    if isinstance(spec, str) and is_preset_name(h.name):
+        return h, str(h.name)  # with its scale: "qwen3.8-flash-next@tiny"
     return h, (spec if isinstance(spec, str) else h.name or h.kind)
 
 
@@ -352,7 +357,7 @@ def build_index(
     db = Path(db_path)
     info = pick_table(read_manifest(db), table, db)
     table_name = info.name
-    h, label = _resolve_hasher(preset, token_map)
+    h, label = _resolve_hasher(preset, token_map, info)
     lt = h.layer_tables(layer)
     _check_fit(info, lt, table_name)
     if hot_rows < 0:

@@ -22,6 +22,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,7 +57,15 @@ from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
 from engramdb.units import Summary, format_bytes
 
-__all__ = ["CHUNK_BYTES", "STAGE_BYTES", "BuildSummary", "build", "drop_table"]
+__all__ = [
+    "CHUNK_BYTES",
+    "STAGE_BYTES",
+    "SYNTHETIC_BLOCK",
+    "BuildSummary",
+    "build",
+    "drop_table",
+    "synthetic_bytes",
+]
 
 #: Size of each of the two reusable read buffers: bounds build memory whatever the table size.
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -250,6 +259,38 @@ def _stream_segment(seg: Segment, bufs: tuple[memoryview, memoryview]) -> Iterat
             yield chunk
 
 
+#: The synthetic byte stream is made of blocks of this size, each from its own generator.
+SYNTHETIC_BLOCK = 1 << 20
+
+
+def synthetic_bytes(seed: int, start: int, nbytes: int) -> np.ndarray:
+    """Bytes ``[start, start + nbytes)`` of the table a ``synthetic=seed`` build writes: the
+    concatenation over ``b = 0, 1, ...`` of ``PCG64([seed, b]).random_raw(SYNTHETIC_BLOCK // 8)``
+    viewed as little-endian bytes. Deterministic whatever the chunking; one generator per
+    1 MiB block (no per-row work)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    done = 0
+    while done < nbytes:
+        block, skip = divmod(start + done, SYNTHETIC_BLOCK)
+        raw = np.random.PCG64([seed, block]).random_raw(SYNTHETIC_BLOCK // 8)
+        data = raw.astype("<u8", copy=False).view(np.uint8)[skip:]
+        take = min(len(data), nbytes - done)
+        out[done : done + take] = data[:take]
+        done += take
+    return out
+
+
+def _synthetic_chunks(seed: int, nbytes: int) -> Iterator[memoryview]:
+    for start in range(0, nbytes, CHUNK_BYTES):
+        yield synthetic_bytes(seed, start, min(CHUNK_BYTES, nbytes - start)).data
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidArgument(f"synthetic seed must be an integer >= 0, got {seed!r}")
+    return int(seed)
+
+
 def _parse_heads(heads: Sequence[int] | None) -> list[int] | None:
     if heads is None:
         return None
@@ -263,10 +304,42 @@ def _parse_heads(heads: Sequence[int] | None) -> list[int] | None:
     return out
 
 
+def preset_layout(
+    preset: str, *, scale: str | None = None, layer: int | None = None
+) -> dict[str, Any]:
+    """What a table of keygen preset ``preset`` (at ``scale``) for ``layer`` looks like:
+    ``{"heads", "row_bytes", "dtype", "dim", "keygen"}`` — the heads are the layer's columns
+    plus its pad head (`keygen.presets.table_heads`), ``row_bytes`` / ``dtype`` / ``dim`` the
+    preset's row format (None where it has none), ``keygen`` the record `build` stores.
+    ``layer`` may be omitted when the preset has one table."""
+    from engramdb.keygen.presets import preset as keygen_preset
+    from engramdb.keygen.presets import table_heads
+
+    h = keygen_preset(preset, scale=scale)
+    if layer is None:
+        tables = {id(h.layer_tables(lay)) for lay in h.layers}
+        if len(tables) != 1:
+            raise InvalidArgument(
+                f"preset {preset!r} has one table per layer {list(h.layers)}: pass a layer "
+                "(--layer)"
+            )
+        layer = int(h.layers[0])
+    elif int(layer) not in h.layers:
+        raise InvalidArgument(f"preset {preset!r} has no layer {layer}; layers are {list(h.layers)}")
+    fmt = str(h.info.get("row_format") or "")
+    return {
+        "heads": table_heads(h, layer),
+        "row_bytes": h.info.get("row_bytes"),
+        "dtype": re.sub(r"\[\d+\]", "", fmt) or None,
+        "dim": h.info.get("row_dim"),
+        "keygen": {"preset": h.name, "layer": int(layer)},
+    }
+
+
 def build(
     db_path: str | os.PathLike[str],
     table: str,
-    row_bytes: int,
+    row_bytes: int | None,
     sources: Sequence[SourceLike],
     *,
     heads: Sequence[int] | None = None,
@@ -277,6 +350,10 @@ def build(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     rows_per_badge: int | None = None,
     progress: Callable[[int], None] | None = None,
+    synthetic: int | None = None,
+    preset: str | None = None,
+    scale: str | None = None,
+    layer: int | None = None,
 ) -> BuildSummary:
     """Build (or with ``force`` replace) table ``table`` of the database at ``db_path``.
 
@@ -286,8 +363,34 @@ def build(
     files, concatenated in numeric-aware name order. Streams with one 16 MiB buffer;
     ``progress`` is called with the byte count of each written chunk. The database directory
     is created if missing. Publication is atomic (see the module docstring).
+
+    ``synthetic=SEED`` (no ``sources``; ``heads`` required) fills the table with deterministic
+    random bytes instead (`synthetic_bytes`), for trying and benchmarking without a checkpoint.
+    ``preset`` (a keygen preset name; ``scale`` and ``layer`` as in `preset_layout`) derives
+    the heads, pad head included, and the row format (``row_bytes`` None: the preset's) and
+    records ``{"keygen": {"preset": "qwen3.8-flash-next@tiny", "layer": 2}}`` in the table's
+    manifest entry: index, views, `Decoder` and `stream` given the bare preset name on this
+    table then use its scale.
     """
     check_table_name(table)
+    keygen: dict[str, Any] | None = None
+    if preset is not None:
+        if heads is not None:
+            raise InvalidArgument("a preset build derives the heads: drop heads (--heads)")
+        layout = preset_layout(preset, scale=scale, layer=layer)
+        heads, keygen = layout["heads"], layout["keygen"]
+        if row_bytes is None:
+            row_bytes = layout["row_bytes"]
+            if row_bytes is None:
+                raise InvalidArgument(
+                    f"preset {preset!r} has no fixed row format: give row_bytes (--row-bytes)"
+                )
+        if dtype == "u8" and layout["dtype"]:
+            dtype = layout["dtype"]
+        if dim is None:
+            dim = layout["dim"]
+    elif scale is not None or layer is not None:
+        raise InvalidArgument("scale and layer (--scale, --layer) go with a preset (--preset)")
     if (
         isinstance(row_bytes, bool)
         or not isinstance(row_bytes, (int, np.integer))
@@ -296,9 +399,15 @@ def build(
         raise InvalidArgument(f"row_bytes must be a positive integer, got {row_bytes!r}")
     row_bytes = int(row_bytes)
     head_sizes = _parse_heads(heads)
-    groups = resolve_sources(sources, row_bytes, tensor=tensor)
+    if synthetic is not None:
+        synthetic = _check_seed(synthetic)
+        if sources or tensor is not None:
+            raise InvalidArgument("a synthetic build takes no sources and no tensor glob")
+        if head_sizes is None:
+            raise InvalidArgument("a synthetic build needs heads (the row count of each head)")
+    groups = [] if synthetic is not None else resolve_sources(sources, row_bytes, tensor=tensor)
     group_rows = [sum(s.nbytes for s in g) // row_bytes for g in groups]
-    total_rows = sum(group_rows)
+    total_rows = sum(group_rows) if synthetic is None else sum(head_sizes or ())
     if head_sizes is None:
         head_sizes = group_rows
         if any(r == 0 for r in head_sizes):
@@ -317,6 +426,8 @@ def build(
         rows = seg.nbytes // row_bytes
         provenance_sources.append({"first_row": first, "rows": rows, **seg.meta})
         first += rows
+    if synthetic is not None:
+        provenance_sources.append({"first_row": 0, "rows": total_rows, "synthetic": synthetic})
 
     db = Path(db_path)
     db.mkdir(parents=True, exist_ok=True)
@@ -343,8 +454,13 @@ def build(
             written = 0
             try:
                 bufs = (memoryview(bytearray(CHUNK_BYTES)), memoryview(bytearray(CHUNK_BYTES)))
-                for seg in segments:
-                    for chunk in _stream_segment(seg, bufs):
+                streams = (
+                    [_stream_segment(seg, bufs) for seg in segments]
+                    if synthetic is None
+                    else [_synthetic_chunks(synthetic, total_rows * row_bytes)]
+                )
+                for stream in streams:
+                    for chunk in stream:
                         writer.write(chunk)
                         written += len(chunk)
                         if progress is not None:
@@ -375,7 +491,10 @@ def build(
                 sources=tuple(provenance_sources),
                 # fields this writer does not know (e.g. views) are carried over: a rebuilt
                 # table's views then open as stale instead of vanishing
-                extra=dict(current.tables[table].extra) if table in current.tables else {},
+                extra={
+                    **(dict(current.tables[table].extra) if table in current.tables else {}),
+                    **({"keygen": dict(keygen)} if keygen else {}),
+                },
                 provenance={
                     "engramdb_version": __version__,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -41,8 +41,8 @@ from engramdb.errors import (
     TableNotFound,
     TokenIdOutOfRange,
 )
-from engramdb.keygen import PRESETS, Hasher
-from engramdb.keygen import preset as keygen_preset
+from engramdb.keygen import Hasher
+from engramdb.keygen.presets import is_preset_name, preset_for_table
 from engramdb.layouts.keys import (
     KeyHash,
     dedupe_keys,
@@ -274,7 +274,9 @@ class _Source:
         return int(arr.shape[0])
 
 
-def _resolve_hasher(hasher: Hasher | str | None, fallback: str | None) -> Hasher:
+def _resolve_hasher(
+    hasher: Hasher | str | None, fallback: str | None, record: Any = None
+) -> Hasher:
     spec = hasher if hasher is not None else fallback
     if spec is None:
         raise InvalidArgument("a key view needs hasher= (a keygen Hasher or a preset name)")
@@ -283,7 +285,7 @@ def _resolve_hasher(hasher: Hasher | str | None, fallback: str | None) -> Hasher
     if not isinstance(spec, str):
         raise InvalidArgument(f"hasher must be a keygen Hasher or a preset name, got {spec!r}")
     try:
-        return keygen_preset(spec)
+        return preset_for_table(spec, record)  # type: ignore[no-any-return]
     except EngramDBError as e:
         raise InvalidArgument(
             f"cannot make the hasher of preset {spec!r} ({e}); pass hasher="
@@ -349,7 +351,7 @@ def _prepare_source(
         label = str(ix.meta.get("preset")) if ix.meta.get("preset") else None
         if layer is None and ix.meta.get("layer") is not None:
             layer = int(ix.meta["layer"])
-    h = _resolve_hasher(hasher, label)
+    h = _resolve_hasher(hasher, label, info.extra.get("keygen"))
     try:
         table_rows = h.table_rows(layer)
     except EngramDBError as e:
@@ -397,7 +399,7 @@ def _prepare_source(
     if lt_layer is None and len(h.layers) == 1:
         lt_layer = h.layers[0]
     doc = {
-        "preset": h.name if h.name in PRESETS else None,
+        "preset": h.name if is_preset_name(h.name) else None,
         "name": h.name or h.kind,
         "kind": h.kind,
         "layer": lt_layer,

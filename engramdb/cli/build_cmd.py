@@ -49,6 +49,30 @@ from engramdb.units import parse_size
     help="Dtype hint recorded in the manifest (e.g. fp8_e4m3, fp8_e4m3+ue8m0, bf16).",
 )
 @click.option("--dim", type=int, default=None, help="Values per row (hint for decoders).")
+@click.option(
+    "--preset",
+    default=None,
+    help="Keygen preset whose table this is (e.g. qwen3.8-flash-next): derives --heads, the "
+    "pad head included, and the row format (--row-bytes, --dtype, --dim).",
+)
+@click.option(
+    "--scale",
+    type=click.Choice(["full", "small", "tiny"]),
+    default=None,
+    help="With --preset: the preset's algorithm with 100x (small) / 1,000x (tiny) smaller "
+    "tables. Its row ids are NOT the checkpoint's (docs/keygen.md).",
+)
+@click.option(
+    "--layer", type=int, default=None, help="With --preset: the layer whose table this is."
+)
+@click.option(
+    "--synthetic",
+    type=int,
+    default=None,
+    metavar="SEED",
+    help="Fill the table with deterministic random rows from SEED instead of SOURCES "
+    "(for trying and benchmarking without a checkpoint).",
+)
 @click.option("--shard-size", default="1G", show_default=True, help="Target shard size.")
 @force_option
 @click.option(
@@ -69,6 +93,10 @@ def build_cmd(
     tensor: str | None,
     dtype: str,
     dim: int | None,
+    preset: str | None,
+    scale: str | None,
+    layer: int | None,
+    synthetic: int | None,
     shard_size: str,
     force: bool,
     warm: bool,
@@ -79,6 +107,8 @@ def build_cmd(
     Streams with bounded memory and publishes atomically: a failed or killed build leaves
     the previous database exactly as it was. The build writes with O_DIRECT, so the new
     table is not in the page cache; --warm reads it in after publishing.
+
+    Example: engramdb build DB --table ple --preset qwen3.8-flash-next --scale tiny --synthetic 1
     """
     if from_attached:
         from engramdb.build.attach import materialize
@@ -87,9 +117,29 @@ def build_cmd(
             raise click.BadParameter("--from-attached takes no SOURCES")
         echo_summaries([materialize(db, table, into)])
         return
-    if not sources or row_bytes is None:
-        raise click.BadParameter("SOURCES and --row-bytes are required (or --from-attached)")
-    total = sum(s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g)
+    if synthetic is not None and sources:
+        raise click.BadParameter("--synthetic takes no SOURCES")
+    if (not sources and synthetic is None) or (row_bytes is None and preset is None):
+        raise click.BadParameter(
+            "SOURCES (or --synthetic SEED) and --row-bytes (or --preset) are required "
+            "(or --from-attached)"
+        )
+    if preset is not None:
+        from engramdb.build.table import preset_layout
+
+        layout = preset_layout(preset, scale=scale, layer=layer)
+        row_bytes = row_bytes or layout["row_bytes"]
+        rows_total = sum(layout["heads"])
+    else:
+        rows_total = sum(int_list(heads) or [])
+    if row_bytes is None:
+        raise click.BadParameter(f"preset {preset!r} has no fixed row format: give --row-bytes")
+    if synthetic is not None:
+        total = rows_total * row_bytes
+    else:
+        total = sum(
+            s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g
+        )
     with progress_bar(quiet, f"building {table}", total) as bar:
         summary = build(
             db,
@@ -103,6 +153,10 @@ def build_cmd(
             force=force,
             shard_bytes=parse_size(shard_size),
             progress=bar.update,
+            synthetic=synthetic,
+            preset=preset,
+            scale=scale,
+            layer=layer,
         )
     echo_summaries([summary])
     if warm:

@@ -17,10 +17,11 @@ from engramdb.cli._common import (
 )
 from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
+from engramdb.keygen.presets import is_preset_name
 
 
 def _preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value in PRESETS or (value.endswith(".json") and Path(value).is_file()):
+    if is_preset_name(value) or (value.endswith(".json") and Path(value).is_file()):
         return value
     raise click.BadParameter(
         f"{value!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a .json keygen "

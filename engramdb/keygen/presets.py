@@ -163,9 +163,56 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Reduced scales: every table-size base of a preset divided by this factor (same rules).
+SCALES: dict[str, int] = {"full": 1, "small": 100, "tiny": 1_000}
+
+# The config fields that size a preset's tables (the bases its primes are searched from), per
+# kind; fields set to None are derived again at a reduced scale (V4.1's published row counts).
+_SCALED_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "deepseek-demo": (("engram_vocab_size",), ()),
+    "deepseek-v41": (("engram_vocab_size",), ("engram_num_embeddings",)),
+    "qwen4exp": (("ngram_vocab_size_base",), ()),
+    "gemma3n": (("vocab_size_per_layer_input",), ()),
+}
+
+
+def split_scale(name: str, scale: str | None = None) -> tuple[str, str]:
+    """``(preset, scale)`` of ``"qwen3.8-flash-next@tiny"`` (or of a bare name and ``scale``).
+    A scale given both ways must agree; unknown scales raise `InvalidArgument`."""
+    base, at, suffix = name.rpartition("@")
+    if at and base in PRESETS:
+        if scale is not None and scale != suffix:
+            raise InvalidArgument(f"preset {name!r} names scale {suffix!r} but scale={scale!r}")
+        name, scale = base, suffix
+    scale = "full" if scale is None else scale
+    if scale not in SCALES:
+        raise InvalidArgument(f"unknown scale {scale!r}; scales are {list(SCALES)}")
+    return name, scale
+
+
+def _scaled(kind: str, config: Mapping[str, Any], scale: str) -> dict[str, Any]:
+    """The preset's config with its table-size bases divided by ``SCALES[scale]`` (floor, at
+    least 2): every other field (vocabulary, orders, heads, seed, EOS, pad, divisor) stays."""
+    out = dict(config)
+    div = SCALES[scale]
+    if div == 1:
+        return out
+    sized, derived = _SCALED_FIELDS[kind]
+    for key in sized:
+        value = out[key]
+        if isinstance(value, list):
+            out[key] = [max(2, int(v) // div) for v in value]
+        else:
+            out[key] = max(2, int(value) // div)
+    for key in derived:
+        out[key] = None
+    return out
+
+
 def preset(
     name: str,
     *,
+    scale: str | None = None,
     token_map: Any = None,
     compressed_pad_id: int | None = None,
     constants: Mapping[Any, Mapping[str, Any]] | None = None,
@@ -173,23 +220,35 @@ def preset(
 ) -> Hasher:
     """The hasher of a published layout, e.g. ``preset("qwen3.8-flash-next")``.
 
+    ``scale`` (``"full"`` (default), ``"small"``, ``"tiny"``; also spelled
+    ``"qwen3.8-flash-next@tiny"``) keeps the preset's algorithm (multipliers, orders, heads,
+    EOS / pad / dead-token rules, padding divisor) and divides its table-size bases by
+    `SCALES`: the tables are 100x / 1,000x smaller, for trying the chain without a checkpoint.
+    A reduced scale's row ids are NOT the checkpoint's. Its hasher is named ``"<preset>@<scale>"``.
     Keyword config fields override the preset's (``preset("deepseek-engram-demo",
     compressed_vocab_size=...)``); ``token_map`` / ``compressed_pad_id`` / ``constants`` as in
     :func:`hasher`, with given constants winning over the preset's frozen ones.
     """
     if name not in PRESETS and name.endswith(".json") and os.path.isfile(name):
-        if config_overrides:
-            raise InvalidArgument("config overrides apply to named presets, not config files")
+        if config_overrides or scale is not None:
+            raise InvalidArgument(
+                "config overrides and scale apply to named presets, not config files"
+            )
         return from_config_file(
             name, token_map=token_map, compressed_pad_id=compressed_pad_id, constants=constants
         )
+    name, scale = split_scale(name, scale)
     try:
         spec = PRESETS[name]
     except KeyError:
         raise InvalidArgument(
             f"unknown preset {name!r}; presets are {sorted(PRESETS)} (or a .json config file)"
         ) from None
-    config = {**spec["config"], **config_overrides}
+    config = {**_scaled(spec["kind"], spec["config"], scale), **config_overrides}
+    info = dict(spec.get("info") or {})
+    if scale != "full":
+        info["scale"] = scale
+        name = f"{name}@{scale}"
     frozen: dict[Any, dict[str, Any]] = {k: dict(v) for k, v in spec.get("constants", {}).items()}
     for layer, entry in (constants or {}).items():
         frozen.setdefault(int(layer), {}).update(entry)
@@ -205,7 +264,7 @@ def preset(
             compressed_pad_id=pad,
             constants=frozen or None,
             name=name,
-            info=spec.get("info"),
+            info=info,
         )
     return hasher(
         kind,
@@ -214,7 +273,7 @@ def preset(
         compressed_pad_id=compressed_pad_id,
         constants=frozen or None,
         name=name,
-        info=spec.get("info"),
+        info=info,
     )
 
 
@@ -270,3 +329,53 @@ def as_hasher(spec: Any, *, token_map: Any = None) -> Hasher:
     if token_map is not None:
         return preset(spec, token_map=TokenMap.coerce(token_map))
     return preset(spec)
+
+
+def is_preset_name(name: Any) -> bool:
+    """Whether ``name`` names a preset, at any scale (``"qwen3.8-flash-next@tiny"``)."""
+    if not isinstance(name, str):
+        return False
+    base, at, suffix = name.rpartition("@")
+    return name in PRESETS or (bool(at) and base in PRESETS and suffix in SCALES)
+
+
+def table_heads(h: Hasher, layer: int | None = None) -> list[int]:
+    """The head sizes of a table that ``h`` addresses for ``layer``: one head per column (its
+    prime), then one pad head for the rows the layout pads its table with and never addresses
+    (Qwen rounds its table up to a multiple of 128), so the table has ``h.table_rows(layer)``
+    rows. Columns must sit back to back (`InvalidArgument` otherwise)."""
+    lt = h.layer_tables(layer)
+    heads = [int(p) for p in lt.primes]
+    starts = [0]
+    for rows in heads[:-1]:
+        starts.append(starts[-1] + rows)
+    if [int(o) for o in lt.offsets] != starts:
+        raise InvalidArgument(
+            f"layer {lt.layer} of {h!r} has columns that are not back to back "
+            f"(offsets {lt.offsets.tolist()}): it has no head list"
+        )
+    pad = int(lt.table_rows) - sum(heads)
+    if pad > 0:
+        heads.append(pad)
+    return heads
+
+
+def preset_for_table(spec: Any, record: Mapping[str, Any] | None, *, token_map: Any = None) -> Any:
+    """The hasher ``spec`` names for a table whose manifest records ``record`` (the
+    ``"keygen"`` entry `build` writes for ``--preset``): a bare preset name the table was built
+    with at a reduced scale means that scale (``"qwen3.8-flash-next"`` on a table built with
+    ``--scale tiny`` is ``"qwen3.8-flash-next@tiny"``); anything else as `as_hasher` does."""
+    if isinstance(spec, str) and isinstance(record, Mapping):
+        built = record.get("preset")
+        if isinstance(built, str) and is_preset_name(built) and spec in PRESETS:
+            if split_scale(built)[0] == spec:
+                spec = built
+    return as_hasher(spec, token_map=token_map)
+
+
+def table_record(table: Any) -> Mapping[str, Any] | None:
+    """The ``"keygen"`` entry of a table's manifest (``table.info.extra``), or None: any
+    object without one (a remote or foreign table) has none."""
+    extra = getattr(getattr(table, "info", None), "extra", None)
+    record = extra.get("keygen") if isinstance(extra, Mapping) else None
+    return record if isinstance(record, Mapping) else None
