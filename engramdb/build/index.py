@@ -42,12 +42,14 @@ from engramdb.errors import InvalidArgument, TokenIdOutOfRange
 from engramdb.keygen import Hasher, LayerTables, as_hasher, column_mixes
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import FORMAT, VERSION, pick_table
-from engramdb.units import per_second
+from engramdb.units import per_second, progress_phase
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_HOT_ROWS", "IndexSummary", "KeyCounter", "build_index"]
 
 DEFAULT_HOT_ROWS = 1 << 20
 DEFAULT_CHUNK_TOKENS = 1 << 20
+#: Mode of the index files (the mode of the table's shards).
+INDEX_FILE_MODE = 0o644
 _ZSTD_LEVEL = 3
 
 # Odd 64-bit constants for hashing keys that do not pack into 63 bits (e.g. four 17-bit ids).
@@ -374,6 +376,12 @@ def build_index(
 
     counter = KeyCounter(h.max_ngram, h.id_bound if h.max_ngram > 1 else lt.table_rows)
     done = sequences = 0
+    if progress is not None:
+        # ~200 reports over the corpus (a smooth bar), never chunks under 64 Ki tokens;
+        # the keys do not depend on the chunk size
+        chunk_tokens = min(chunk_tokens, max(1 << 16, -(-total // 200)))
+        progress_phase(progress, "hashing", total, "tokens")
+        progress(0, total)
     for path, arr in zip(files, arrays, strict=True):
         for s in range(arr.shape[0]):
             sequences += 1
@@ -388,6 +396,7 @@ def build_index(
                         progress(done, total)
             except TokenIdOutOfRange as exc:
                 raise TokenIdOutOfRange(f"{path} sequence {s}: {exc}") from None
+    progress_phase(progress, "counting rows", None, "keys")
     keys, key_counts = counter.result()
     del counter
 
@@ -436,6 +445,7 @@ def build_index(
         }
 
     out_dir = db / table_name / "index"
+    progress_phase(progress, "writing index", None, "B")
     with database_lock(db):
         # the whole set is written into a staging directory and published in one atomic
         # switch (`publish_dir`), under the writer lock: a kill at any moment leaves the
@@ -483,4 +493,6 @@ def _write_index_files(
     meta = meta_of(hot_meta, keys_meta)
     with atomic_writer(out_dir / "index.json") as fh:
         fh.write((json.dumps(meta, indent=1) + "\n").encode())
+    for name in ("hot.zst", "keys.zst", "index.json"):
+        os.chmod(out_dir / name, INDEX_FILE_MODE)  # as the shards: readable by every reader
     fsync_dir(out_dir, strict=False)

@@ -1,0 +1,5 @@
+"""placeholder"""
+import click
+@click.command("bench")
+def bench_cmd() -> None:
+    """x"""
