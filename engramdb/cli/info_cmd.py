@@ -112,7 +112,7 @@ def _echo_table(name: str, t: dict[str, Any]) -> None:
     heads = [h["rows"] for h in t["heads"]]
     att = t.get("attached")
     where = (
-        f"attached in place to {len(att['files'])} source file(s), {len(att['columns'])} column(s)"
+        f"attached to {len(att['files'])} source file(s), {len(att['columns'])} column(s)"
         if att
         else f"built, {len(t['shards'])} shard(s), {t['layout']['rows_per_badge']:,} rows/badge"
     )
