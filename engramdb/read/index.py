@@ -23,8 +23,8 @@ from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptFile,
-    InvalidArgument,
     IndexNotFound,
+    InvalidArgument,
     TableNotFound,
     TruncatedFile,
 )
