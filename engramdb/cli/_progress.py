@@ -90,7 +90,7 @@ class Progress(Closing):
             self._ticker.join()
             self._ticker = None
         with self._lock:
-            if self.enabled and self.draws:
+            if self.enabled and (self.draws or self.done):
                 self._draw(final=True)
 
     # -- drawing ------------------------------------------------------------------------------
