@@ -74,10 +74,11 @@ _REWRITES: list[tuple[re.Pattern[str], Any]] = [
     ),
     (re.compile(r"give compressed_vocab_size or a token map"), "give --token-map"),
     (re.compile(r"use force=True / --force"), "use --force"),
+    (re.compile(r"(?<![-\w])bin_dtype\b"), "--bin-dtype"),
     (re.compile(rf"(?<![-\w])({_KW})=True\b"), lambda m: _FLAGS[m.group(1)]),
     (re.compile(rf"(?<![-\w])({_KW})=(?=[\s,;:.)]|$)"), lambda m: _FLAGS[m.group(1)]),
     (re.compile(rf"(?<![-\w])({_KW})=(?=\S)"), lambda m: _FLAGS[m.group(1)] + " "),
-    (re.compile(rf"(?<![-\w])({_KW})\b(?= (?:'|must|needs|of|applies))"), lambda m: _FLAGS[m.group(1)]),
+    (re.compile(rf"(?<![-\w])({_KW})\b(?= (?:must|needs|applies))"), lambda m: _FLAGS[m.group(1)]),
 ]
 
 
