@@ -5,8 +5,8 @@ build, warm, verify, publish), and the wait for another writer's lock.
 amount done of the total (sizes in binary units, counts with thousands separators), rows done
 where the row size is known, the rate (decimal GB/s, or rows / tokens / records per second)
 and the ETA. A ticker thread redraws it a few times a second, so a phase that reports
-rarely still shows its elapsed time and ETA moving. When stderr is not a terminal nothing is
-drawn: a command piped into a file prints its summary line only.
+rarely still shows its elapsed time and ETA moving. When stderr or stdout is not a terminal
+nothing is drawn: a command piped into a file (or ``--json | jq``) prints its result only.
 
 It is every library ``progress`` callback at once: ``progress(done, total)`` (cumulative,
 the index and view builders), ``update(n)`` (an increment, the table, warm and verify
@@ -51,8 +51,7 @@ class Progress(Closing):
         force_draw: bool = False,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", lambda: False)
-        self.enabled = not quiet and (force_draw or bool(isatty()))
+        self.enabled = not quiet and (force_draw or (_isatty(self.stream) and _isatty(sys.stdout)))
         self.row_bytes = row_bytes
         self.draws = 0
         self.width = 0
@@ -143,6 +142,13 @@ class Progress(Closing):
         if final:
             self.width = 0
             self.draws = 0
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def lock_holder(db: str | os.PathLike[str]) -> int | None:
