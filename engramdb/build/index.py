@@ -345,7 +345,10 @@ def build_index(
     ``layer`` picks its table when it has several. ``doc_separator`` (DeepSeek): a token id
     that starts a new sequence (it is that sequence's first token); Qwen separates documents
     by EOS itself. ``compressed`` / ``token_map``: DeepSeek ids already compressed, or the map
-    to compress them. ``progress(done_tokens, total_tokens)`` is called after every chunk.
+    to compress them. ``progress(done_tokens, total_tokens)`` is called after every chunk
+    (about 200 times over the corpus); a callback with a ``phase`` method (the CLI's
+    display, `engramdb.units.progress_phase`) also hears the later phases (merging keys,
+    counting rows per head: ``progress(heads_done, n_heads)``, writing).
 
     Cost: ~1 s per 10 M tokens for the keys plus one bincount per head over the distinct
     keys; memory ~40 B per distinct key plus 8 B per bucket of one head.
@@ -396,9 +399,10 @@ def build_index(
                         progress(done, total)
             except TokenIdOutOfRange as exc:
                 raise TokenIdOutOfRange(f"{path} sequence {s}: {exc}") from None
-    progress_phase(progress, "counting rows", None, "keys")
+    progress_phase(progress, "merging keys", None, "keys")
     keys, key_counts = counter.result()
     del counter
+    progress_phase(progress, "counting rows per head", lt.n_heads, "heads")
 
     # Running top: at most 2 x hot_rows candidates are alive at any time.
     all_r = np.zeros(0, np.int64)
@@ -406,6 +410,8 @@ def build_index(
     per_head: list[int] = []
     for col, local, cnts in _head_counts(lt, keys, key_counts):
         per_head.append(int(local.shape[0]))
+        if progress is not None and hasattr(progress, "phase"):  # the CLI's display only
+            progress(len(per_head), lt.n_heads)
         r, c = _top(local + int(lt.offsets[col]), cnts, hot_rows)
         merged_r, merged_c = np.concatenate([all_r, r]), np.concatenate([all_c, c])
         if all_r.shape[0] and r.shape[0] and merged_r[all_r.shape[0] - 1] > r[0]:

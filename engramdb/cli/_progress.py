@@ -115,7 +115,8 @@ class Progress(Closing):
             frac = min(1.0, self.done / self.total)
             filled = int(frac * 24)
             parts.append(f"[{'#' * filled}{'.' * (24 - filled)}] {frac:4.0%}")
-        parts.append(self._amount())
+        if self.total or self.done:
+            parts.append(self._amount())
         if self.done and elapsed > 0:
             rate = self.done / elapsed
             parts.append(format_rate(rate, self.unit))
