@@ -80,6 +80,7 @@ def attach_cmd(
 
     FILES are .safetensors files, raw row files, or directories of shard_NNN.bin files.
 
+    \b
     Example: engramdb attach db/ model.safetensors --table ple --tensor '*per_layer*'
     """
     if preset is not None:

@@ -49,6 +49,7 @@ def bench_cmd(
     convergence, decode steps, corpus streaming, a Store-P view and a serve round trip;
     print the ratios, optionally write JSON (--json) and a PNG (--plot).
 
+    \b
     Example: engramdb bench --quick --json bench.json --plot bench.png
     """
     from engramdb.cli._bench_suite import run_bench

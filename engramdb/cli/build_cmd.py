@@ -86,6 +86,7 @@ def build_cmd(
     the previous database exactly as it was. The build writes with O_DIRECT, so the new
     table is not in the page cache; --warm reads it in after publishing.
 
+    \b
     Example: engramdb build db/ emb.npy --table ple --row-bytes 256
     """
     if from_attached:

@@ -91,6 +91,7 @@ def index_cmd(
 ) -> None:
     """Count the row accesses a token CORPUS makes into a table of database DB.
 
+    \b
     Example: engramdb index db/ corpus.npy --preset qwen3.8-flash-next --table ple
 
     CORPUS is a .npy of token ids ([T] one sequence, [S, T] S sequences), a raw .bin of

@@ -49,6 +49,7 @@ def info_cmd(db: str, as_json: bool, memory: bool, page_cache_budget: str | None
     the `engramdb index` output, page-cache residency and leftovers of killed writers
     (reads the manifest, the index.json files and mincore; no row data).
 
+    \b
     Example: engramdb info db/ --json
     """
     if memory:
@@ -180,6 +181,7 @@ def gc_cmd(db: str, as_json: bool) -> None:
     """Remove what killed or finished writers left in DB (staging directories, replaced
     generations, temp files), under the writer lock; nothing the manifest names is touched.
 
+    \b
     Example: engramdb gc db/
     """
     wait_for_writer(db, as_json)
@@ -207,6 +209,7 @@ def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool, as_jso
     """Recompute every shard checksum of DB and check its Store-P views (checksums, and
     slots against Store-I rows). Exit status 1 names each bad table, shard and byte range.
 
+    \b
     Example: engramdb verify db/ --table ple --full
     """
     from engramdb.verify import verify_views, views_bytes
@@ -252,6 +255,7 @@ def verify_cmd(db: str, tables: tuple[str, ...], full: bool, quiet: bool, as_jso
 def drop_cmd(db: str, table: str, as_json: bool) -> None:
     """Remove TABLE from DB (atomic manifest update, then its files).
 
+    \b
     Example: engramdb drop db/ --table old
     """
     wait_for_writer(db, as_json)

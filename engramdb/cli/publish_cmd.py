@@ -96,8 +96,9 @@ def publish(
     views go along (records plus a row index) so readers can serve lookups in runs
     (open_mooncake(..., view=NAME)).
 
-    Example: engramdb publish db/ --mooncake 127.0.0.1:50051
-    --metadata http://127.0.0.1:8080/metadata --publication prod
+    \b
+    Example: engramdb publish db/ --mooncake 127.0.0.1:50051 \\
+      --metadata http://127.0.0.1:8080/metadata --publication prod
     """
     name = aliased(click.get_current_context(), "publication", name)
     if views and no_views:

@@ -119,6 +119,7 @@ def serve(
 
     Opens DB read-only. Stops on SIGTERM / Ctrl-C after in-flight requests finish.
 
+    \b
     Example: engramdb serve db/ --port 7070 --token-file token.txt
     """
     token = None

@@ -44,6 +44,7 @@ def _view_name(name: str | None) -> str:
 def view_group() -> None:
     """Store-P materialized views: one fixed-size record per n-gram key, in access order.
 
+    \b
     Example: engramdb view build db/ --table ple --view hot --from-index
     """
 
@@ -99,6 +100,7 @@ def build_cmd(
     explicit row ids (--rows), gathering every record from Store-I, and publish it
     atomically. Ends with a one-line summary.
 
+    \b
     Example: engramdb view build db/ --table ple --view hot --from-index --disk-budget 1G
     """
     name = _view_name(name)
@@ -169,6 +171,7 @@ def bench_cmd(
     """Throughput of View.read_records: records/s, MB/s and bytes amplification (bytes asked
     of the mapping/backend and bytes read from the device, per byte returned).
 
+    \b
     Example: engramdb view bench db/ --table ple --view hot --order random --seconds 2
     """
     name = _view_name(name)
@@ -205,6 +208,7 @@ def bench_cmd(
 def lat_cmd(db: Path, table: str, name: str | None, warm: bool, steps: int, as_json: bool) -> None:
     """Latency of single View.read_record calls on random records: p50 / p99 in us.
 
+    \b
     Example: engramdb view lat db/ --table ple --view hot --steps 20000
     """
     name = _view_name(name)

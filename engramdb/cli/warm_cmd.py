@@ -79,6 +79,7 @@ def warm_cmd(
     how much of each is resident. --lock / --watch then keep the tables resident while the
     command runs (mlock within --lock-budget; re-warm after residency loss).
 
+    \b
     Example: engramdb warm db/ --table ple --check
     """
     if lock_budget is not None and not lock:
