@@ -92,14 +92,14 @@ def plot_bench(doc: dict[str, Any], path: str | os.PathLike[str]) -> int:
 
     cold = doc["cold"]
     bars = [
-        ("cold (evicted)", cold["rows_per_s"]),
-        ("warm, auto", max(warm_auto) if warm_auto else 0.0),
+        ("cold\n(evicted)", cold["rows_per_s"]),
+        ("warm\nauto", max(warm_auto) if warm_auto else 0.0),
     ]
     np_take = [r["rows_per_s"] for r in doc["warm"] if r["backend"] == "np.take"]
     if np_take:
-        bars.append(("np.take, populated", max(np_take)))
+        bars.append(("np.take\npopulated", max(np_take)))
     if cold.get("fio"):
-        bars.append(("fio 4k randread IOPS", cold["fio"]["iops"]))
+        bars.append(("fio 4 KiB\nrandread IOPS", cold["fio"]["iops"]))
     a4.bar(
         [b[0] for b in bars],
         [b[1] / 1e6 for b in bars],
