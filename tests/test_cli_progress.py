@@ -142,3 +142,31 @@ def test_json_on_every_result(tmp_path: Path, rng: np.random.Generator) -> None:
     assert code == 0 and json.loads(out)["removed"] == []
     code, out = run("drop", db, "-t", "att", "--json")
     assert code == 0 and json.loads(out) == {"dropped": "att"}
+
+
+def test_build_waits_for_a_writer_and_does_not_time_the_wait(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    import re
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "a.npy", rng.integers(0, 256, (100, 64), dtype=np.uint8))
+    db = tmp_path / "db"
+    assert run("build", db, tmp_path / "a.npy", "-t", "a", "-r", 64, "-q")[0] == 0
+    fd = os.open(db / LOCK_NAME, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "engramdb", "build", str(db), str(tmp_path / "a.npy"),
+           "-t", "b", "-r", "64"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stderr is not None
+    first = p.stderr.readline()  # said before it blocks
+    time.sleep(1.5)
+    os.close(fd)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert f"waiting for the writer lock of {db} held by PID {os.getpid()}" in first
+    assert "got the writer lock after" in err
+    m = re.search(r"in 1 shard\(s\), ([0-9.]+) s", out)
+    assert m and float(m.group(1)) < 1.0, out  # the 1.5 s wait is not build time
