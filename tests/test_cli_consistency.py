@@ -150,3 +150,19 @@ def _small_hasher():  # type: ignore[no-untyped-def]
          "make_ngram_vocab_size_divisible_by": 4, "eos_token_id": 1, "ple_layer_ids": [1]},
         name="qwen-small",
     )  # fmt: skip
+
+
+def test_cli_words_rewrites_keywords_not_prose() -> None:
+    from engramdb.cli._common import cli_words
+
+    assert cli_words("the database has tables ['a', 'b']: pass table=") .endswith("pass --table")
+    assert cli_words("a key view needs hasher= (a preset)") == "a key view needs --preset (a preset)"
+    assert cli_words("give exactly one of keys=, from_index=True or rows=") == (
+        "give exactly one of --keys, --from-index or --rows"
+    )
+    assert cli_words("hot_rows must be >= 0, got -1") == "--hot-rows must be >= 0, got -1"
+    assert "strict=False" not in cli_words("x; pass strict=False for the reference engine's behaviour") or (
+        "Python API" in cli_words("x; pass strict=False for the reference engine's behaviour")
+    )
+    for prose in ("table 'x' of 'db' needs a shard", "the attached table needs x", "layer must be set"):
+        assert cli_words(prose) == prose

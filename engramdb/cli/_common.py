@@ -66,6 +66,8 @@ _FLAGS = {
     "key_hash": "a custom key hash (Python API only)",
 }
 _KW = "|".join(sorted(_FLAGS, key=len, reverse=True))
+# bare words are rewritten only for snake_case keywords ("hot_rows must"), never "table needs"
+_KW_SNAKE = "|".join(k for k in sorted(_FLAGS, key=len, reverse=True) if "_" in k)
 _REWRITES: list[tuple[re.Pattern[str], Any]] = [
     (
         re.compile(r"[;,]? ?(?:pass|or) strict=False(?: for the reference engine's behaviour)?"),
@@ -78,7 +80,10 @@ _REWRITES: list[tuple[re.Pattern[str], Any]] = [
     (re.compile(rf"(?<![-\w])({_KW})=True\b"), lambda m: _FLAGS[m.group(1)]),
     (re.compile(rf"(?<![-\w])({_KW})=(?=[\s,;:.)]|$)"), lambda m: _FLAGS[m.group(1)]),
     (re.compile(rf"(?<![-\w])({_KW})=(?=\S)"), lambda m: _FLAGS[m.group(1)] + " "),
-    (re.compile(rf"(?<![-\w])({_KW})\b(?= (?:must|needs|applies))"), lambda m: _FLAGS[m.group(1)]),
+    (
+        re.compile(rf"(?<![-\w])({_KW_SNAKE})\b(?= (?:must|needs|applies))"),
+        lambda m: _FLAGS[m.group(1)],
+    ),
 ]
 
 

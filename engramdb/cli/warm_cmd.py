@@ -113,7 +113,8 @@ def warm_cmd(
             echo_result(as_json, warm_hot(d, names))
             return
         total = sum(d[n].nbytes for n in names)
-        with progress_bar(quiet, "warming", total) as bar:
+        one = d[names[0]].row_bytes if len(names) == 1 else None
+        with progress_bar(quiet, "warming", total, row_bytes=one) as bar:
             summaries = warm_tables(
                 d, names, threads=threads, progress=bar.update, verify=verify
             )
