@@ -245,6 +245,13 @@ class Decoder:
         else:
             self._tickets[i] = None
 
+    def __repr__(self) -> str:
+        tables = ", ".join(f"{getattr(t, 'name', '?')}@{layer}" for layer, t in zip(self.layers, self.stores))
+        return (
+            f"Decoder(preset={self.hasher.name or self.hasher.kind!r}, tables=[{tables}], "
+            f"batch={self.batch}, prefetch={self.prefetch!r}, row_bytes={self.row_bytes})"
+        )
+
     def push(self, token_ids: Any) -> list[np.ndarray]:
         """Take the new token of each sequence (a scalar, or ``[B]``), compute its row ids
         (global, int64 ``[H]`` / ``[B, H]`` per layer) and start prefetching them. Returns the

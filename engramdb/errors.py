@@ -54,6 +54,10 @@ class DatabaseNotFound(EngramDBError, FileNotFoundError):
     """The path holds no EngramDB database."""
 
 
+class IndexNotFound(EngramDBError, FileNotFoundError):
+    """The table has no `engramdb index` output (run ``engramdb index DB CORPUS`` first)."""
+
+
 class SourceError(EngramDBError, ValueError):
     """A build source cannot be used as given (wrong size, unknown format, missing tensor)."""
 

@@ -377,6 +377,10 @@ class Stream:
         self._close = close
         self._closed = False
 
+    def __repr__(self) -> str:
+        mode = self._stats.get("mode", "?") if isinstance(self._stats, dict) else "?"
+        return f"Stream(mode={mode!r}, closed={self._closed})"
+
     def __iter__(self) -> Stream:
         return self
 

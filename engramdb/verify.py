@@ -19,7 +19,7 @@ import numpy as np
 from engramdb.disk.checksum import Problem, check_file
 from engramdb.disk.files import check_source
 from engramdb.disk.publish import read_manifest
-from engramdb.errors import EngramDBError, TableNotFound
+from engramdb.errors import EngramDBError, IndexNotFound, TableNotFound
 from engramdb.keygen import Hasher
 from engramdb.layouts.manifest import FileEntry, SourceFile
 from engramdb.layouts.view import (
@@ -99,7 +99,7 @@ def verify_index(db_path: str | os.PathLike[str], table: str) -> list[Problem]:
         return []
     try:
         load_index(db, table)
-    except TableNotFound:
+    except (TableNotFound, IndexNotFound):
         return [Problem(table, f"{table}/index/index.json", 0, 0, "index: index.json is missing")]
     except EngramDBError as e:
         return [Problem(table, f"{table}/index", 0, 0, f"index: {e}")]

@@ -30,7 +30,7 @@ from engramdb.errors import ChecksumMismatch
 from engramdb.layouts.manifest import CHECK_BLOCK_BYTES
 from engramdb.read.index import load_index
 from engramdb.store import Store
-from engramdb.units import Summary
+from engramdb.units import Summary, format_bytes
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,7 @@ class WarmSummary(Summary):
 
     def line(self) -> str:
         return (
-            f"warmed {self.table!r}: {self.bytes / 1e9:.2f} GB in {self.seconds:.2f} s "
-            f"({self.gb_per_s:.2f} GB/s), resident {self.resident_before:.0%} -> "
+            f"warmed {self.table!r}: {self.size_and_rate()}, resident {self.resident_before:.0%} -> "
             f"{self.resident_after:.0%}"
         )
 
@@ -101,8 +100,8 @@ class HotSummary(Summary):
     def line(self) -> str:
         return (
             f"hot set of {self.table!r}: pinned {self.rows:,} of {self.hot_rows:,} hot rows "
-            f"({self.bytes / 1e6:.1f} MB of a {self.budget_bytes / 1e6:.1f} MB tier) in "
-            f"{self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)"
+            f"({format_bytes(self.bytes)} of a {format_bytes(self.budget_bytes)} tier) in "
+            f"{self.size_and_rate().split(' in ', 1)[1]}"
         )
 
 
@@ -138,8 +137,8 @@ class HoldSummary:
 
     def line(self) -> str:
         return (
-            f"held {self.table!r} for {self.seconds:.1f} s: locked {self.locked_bytes / 1e9:.2f} "
-            f"GB, {self.rewarms} re-warm(s), resident {self.resident_after:.0%}"
+            f"held {self.table!r} for {self.seconds:.1f} s: locked "
+            f"{format_bytes(self.locked_bytes)}, {self.rewarms} re-warm(s), resident {self.resident_after:.0%}"
         )
 
 

@@ -18,6 +18,7 @@ from engramdb.errors import (
     ChecksumMismatch,
     CorruptManifest,
     DatabaseNotFound,
+    IndexNotFound,
     InvalidArgument,
     SourceError,
     TableNotFound,
@@ -257,7 +258,7 @@ def test_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceError, match="no .npy"):
         build_index(tmp_path / "empty", db, preset=h, table="a")
-    with pytest.raises(TableNotFound, match="no index"):
+    with pytest.raises(IndexNotFound, match="no index"):
         load_index(db, "a")
     (tmp_path / "db3").mkdir()
     (tmp_path / "db3" / "manifest.json").write_text("{nope")

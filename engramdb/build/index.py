@@ -43,12 +43,14 @@ from engramdb.keygen import Hasher, LayerTables, column_mixes
 from engramdb.keygen.presets import is_preset_name, preset_for_table
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.index import FORMAT, VERSION, pick_table
-from engramdb.units import per_second
+from engramdb.units import per_second, progress_phase
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_HOT_ROWS", "IndexSummary", "KeyCounter", "build_index"]
 
 DEFAULT_HOT_ROWS = 1 << 20
 DEFAULT_CHUNK_TOKENS = 1 << 20
+#: Mode of the index files (the mode of the table's shards).
+INDEX_FILE_MODE = 0o644
 _ZSTD_LEVEL = 3
 
 # Odd 64-bit constants for hashing keys that do not pack into 63 bits (e.g. four 17-bit ids).
@@ -348,7 +350,10 @@ def build_index(
     ``layer`` picks its table when it has several. ``doc_separator`` (DeepSeek): a token id
     that starts a new sequence (it is that sequence's first token); Qwen separates documents
     by EOS itself. ``compressed`` / ``token_map``: DeepSeek ids already compressed, or the map
-    to compress them. ``progress(done_tokens, total_tokens)`` is called after every chunk.
+    to compress them. ``progress(done_tokens, total_tokens)`` is called after every chunk
+    (about 200 times over the corpus); a callback with a ``phase`` method (the CLI's
+    display, `engramdb.units.progress_phase`) also hears the later phases (merging keys,
+    counting rows per head: ``progress(heads_done, n_heads)``, writing).
 
     Cost: ~1 s per 10 M tokens for the keys plus one bincount per head over the distinct
     keys; memory ~40 B per distinct key plus 8 B per bucket of one head.
@@ -379,6 +384,12 @@ def build_index(
 
     counter = KeyCounter(h.max_ngram, h.id_bound if h.max_ngram > 1 else lt.table_rows)
     done = sequences = 0
+    if progress is not None:
+        # ~200 reports over the corpus (a smooth bar), never chunks under 64 Ki tokens;
+        # the keys do not depend on the chunk size
+        chunk_tokens = min(chunk_tokens, max(1 << 16, -(-total // 200)))
+        progress_phase(progress, "hashing", total, "tokens")
+        progress(0, total)
     for path, arr in zip(files, arrays, strict=True):
         for s in range(arr.shape[0]):
             sequences += 1
@@ -393,8 +404,10 @@ def build_index(
                         progress(done, total)
             except TokenIdOutOfRange as exc:
                 raise TokenIdOutOfRange(f"{path} sequence {s}: {exc}") from None
+    progress_phase(progress, "merging keys", None, "keys")
     keys, key_counts = counter.result()
     del counter
+    progress_phase(progress, "counting rows per head", lt.n_heads, "heads")
 
     # Running top: at most 2 x hot_rows candidates are alive at any time.
     all_r = np.zeros(0, np.int64)
@@ -402,6 +415,8 @@ def build_index(
     per_head: list[int] = []
     for col, local, cnts in _head_counts(lt, keys, key_counts):
         per_head.append(int(local.shape[0]))
+        if progress is not None and hasattr(progress, "phase"):  # the CLI's display only
+            progress(len(per_head), lt.n_heads)
         r, c = _top(local + int(lt.offsets[col]), cnts, hot_rows)
         merged_r, merged_c = np.concatenate([all_r, r]), np.concatenate([all_c, c])
         if all_r.shape[0] and r.shape[0] and merged_r[all_r.shape[0] - 1] > r[0]:
@@ -441,6 +456,7 @@ def build_index(
         }
 
     out_dir = db / table_name / "index"
+    progress_phase(progress, "writing index", None, "B")
     with database_lock(db):
         # the whole set is written into a staging directory and published in one atomic
         # switch (`publish_dir`), under the writer lock: a kill at any moment leaves the
@@ -488,4 +504,6 @@ def _write_index_files(
     meta = meta_of(hot_meta, keys_meta)
     with atomic_writer(out_dir / "index.json") as fh:
         fh.write((json.dumps(meta, indent=1) + "\n").encode())
+    for name in ("hot.zst", "keys.zst", "index.json"):
+        os.chmod(out_dir / name, INDEX_FILE_MODE)  # as the shards: readable by every reader
     fsync_dir(out_dir, strict=False)

@@ -55,7 +55,7 @@ from engramdb.errors import (
 from engramdb.layouts.geometry import DEFAULT_SHARD_BYTES, PAGE, plan_geometry
 from engramdb.layouts.manifest import ShardInfo, TableInfo, check_table_name
 from engramdb.sources import Segment, SourceLike, resolve_sources
-from engramdb.units import Summary, format_bytes
+from engramdb.units import Summary, format_bytes, format_rate, per_second
 
 __all__ = [
     "CHUNK_BYTES",
@@ -84,8 +84,9 @@ class BuildSummary(Summary):
 
     def line(self) -> str:
         return (
-            f"built table {self.table!r}: {self.rows:,} rows, {self.bytes / 1e9:.3f} GB in "
-            f"{self.shards} shard(s), {self.seconds:.2f} s, {self.gb_per_s:.2f} GB/s"
+            f"built table {self.table!r}: {self.rows:,} rows, {format_bytes(self.bytes)} in "
+            f"{self.shards} shard(s), {self.seconds:.2f} s, "
+            f"{format_rate(per_second(self.bytes, self.seconds))}"
         )
 
 

@@ -71,7 +71,14 @@ from engramdb.layouts.view import (
 )
 from engramdb.read.index import load_index
 from engramdb.store import Store
-from engramdb.units import Summary, parse_size
+from engramdb.units import (
+    Summary,
+    format_bytes,
+    format_rate,
+    parse_size,
+    per_second,
+    progress_phase,
+)
 from engramdb.validate import check_bounds
 
 __all__ = ["BUILD_BATCH_BYTES", "ViewBuildSummary", "build_view"]
@@ -125,15 +132,16 @@ class ViewBuildSummary(Summary):
 
     def line(self) -> str:
         kept = (
-            f" (budget {self.budget_bytes / 2**30:.2f} GiB kept the {self.records:,} most "
+            f" (budget {format_bytes(self.budget_bytes)} kept the {self.records:,} most "
             f"frequent of {self.keys_total:,} keys)"
             if self.budget_bytes is not None and self.records < self.keys_total
             else ""
         )
         return (
             f"built view {self.name!r} of table {self.table!r}: {self.records:,} records x "
-            f"{self.record_bytes} B{kept}, {self.bytes / 1e9:.3f} GB written, "
-            f"{self.rows_fetched:,} rows gathered in {self.seconds:.2f} s ({self.gb_per_s:.2f} GB/s)"
+            f"{self.record_bytes} B{kept}, {format_bytes(self.bytes)} written, "
+            f"{self.rows_fetched:,} rows gathered in {self.seconds:.2f} s "
+            f"({format_rate(per_second(self.bytes, self.seconds))})"
         )
 
 
@@ -205,6 +213,7 @@ def build_view(
             raise TableExists(
                 f"view {name!r} of table {table!r} already exists; use force=True / --force"
             )
+        progress_phase(progress, "preparing keys", None, "keys")
         src = _prepare_source(
             db, info, keys, counts, from_index, rows, hasher, layer, budget, slot_bytes, key_hash
         )
@@ -213,7 +222,9 @@ def build_view(
             if populate or (
                 populate is None and info.n_rows * info.row_bytes * 2 <= mem_available()
             ):
-                store.populate()
+                progress_phase(progress, "populating table", info.n_rows * info.row_bytes, "B")
+                store.populate(progress=getattr(progress, "update", None))
+            progress_phase(progress, "gathering", src.n_records, "records")
             entry, fetched = _write_view(db, info, name, src, store, batch_bytes, progress, current)
         finally:
             store.close()
@@ -461,6 +472,9 @@ def _write_view(
         try:
             data.write(header.pack())
             per = max(1, batch_bytes // src.slot_bytes)
+            if progress is not None:  # ~200 reports (a smooth bar), batches of >= 4096 records
+                per = min(per, max(4096, -(-n // 200)))
+                progress(0, n)
             buf = np.zeros((min(per, max(n, 1)), src.slot_bytes), dtype=np.uint8)
             padded = src.slot_bytes != src.record_bytes
             rec = np.empty((buf.shape[0], src.record_bytes), np.uint8) if padded else buf

@@ -6,6 +6,7 @@ import click
 
 from engramdb._version import __version__
 from engramdb.cli.attach_cmd import attach_cmd
+from engramdb.cli.bench_cmd import bench_cmd
 from engramdb.cli.build_cmd import build_cmd
 from engramdb.cli.demo_cmd import demo_cmd
 from engramdb.cli.index_cmd import index_cmd
@@ -21,7 +22,27 @@ from engramdb.cli.warm_cmd import warm_cmd
 def main() -> None:
     """EngramDB: a disk-first database for Engram / PLE n-gram embedding tables.
 
-    Typical chain: build -> info / verify -> (index -> view) -> warm -> serve.
+    \b
+    Typical chain (DB comes first in every command):
+      engramdb build DB emb.npy --table ple --row-bytes 256
+      engramdb index DB corpus.npy --preset P --table ple
+      engramdb view build DB --table ple --view hot --from-index
+      engramdb warm DB --table ple
+      engramdb serve DB
+      engramdb bench --quick --plot bench.png
+
+    \b
+    Glossary:
+      Store-I  the table itself: one row per row id, in shards (build / attach)
+      Store-P  a view: one fixed-size record per n-gram key, the rows of all its
+               heads side by side, laid out in corpus access order (view build)
+      head     one hash function's slice of a table; a lookup reads one row per head
+      badge    the block of rows shards are cut in: its bytes tile whole pages
+               (2 MiB where it can; rows/badge in info)
+      index    what `engramdb index` counted: hot rows and keys in access order
+
+    Every command that reports a result takes --json; progress lines go to stderr
+    and only to a terminal.
     """
 
 
@@ -37,3 +58,4 @@ main.add_command(warm_cmd)
 main.add_command(serve)
 main.add_command(publish)
 main.add_command(view_group)
+main.add_command(bench_cmd)

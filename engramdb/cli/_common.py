@@ -3,17 +3,19 @@ progress bar, the shared options (backend, quiet, files, shown defaults), and th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
+import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import click
 
+from engramdb.cli._progress import Progress, json_ready
 from engramdb.errors import EngramDBError
 from engramdb.io.select import BACKENDS
-from engramdb.table_api import Closing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,13 +30,70 @@ def library_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except EngramDBError as e:
-            raise click.ClickException(f"{type(e).__name__}: {e}") from e
+            raise click.ClickException(f"{type(e).__name__}: {cli_words(str(e))}") from e
         except OSError as e:
             where = f" ({e.filename})" if e.filename else ""
             text = (e.strerror or str(e)) if e.errno is not None else str(e)
             raise click.ClickException(f"{text}{where}") from e
 
     return wrapper  # type: ignore[return-value]
+
+
+#: Python keyword -> the CLI flag that sets it (the library's messages name keywords).
+_FLAGS = {
+    "table": "--table",
+    "name": "--view",
+    "hasher": "--preset",
+    "preset": "--preset",
+    "layer": "--layer",
+    "keys": "--keys",
+    "counts": "--counts",
+    "rows": "--rows",
+    "from_index": "--from-index",
+    "disk_budget": "--disk-budget",
+    "slot_bytes": "--slot-bytes",
+    "force": "--force",
+    "row_bytes": "--row-bytes",
+    "bin_dtype": "--bin-dtype",
+    "doc_separator": "--doc-sep",
+    "hot_rows": "--hot-rows",
+    "chunk_tokens": "--chunk-tokens",
+    "token_map": "--token-map",
+    "compressed": "--compressed",
+    "heads": "--heads",
+    "ram_budget": "--ram-budget",
+    "shard_bytes": "--shard-size",
+    "key_hash": "a custom key hash (Python API only)",
+}
+_KW = "|".join(sorted(_FLAGS, key=len, reverse=True))
+# bare words are rewritten only for snake_case keywords ("hot_rows must"), never "table needs"
+_KW_SNAKE = "|".join(k for k in sorted(_FLAGS, key=len, reverse=True) if "_" in k)
+_REWRITES: list[tuple[re.Pattern[str], Any]] = [
+    (
+        re.compile(r"[;,]? ?(?:pass|or) strict=False(?: for the reference engine's behaviour)?"),
+        " (the CLI checks every id; the Python API's strict=False maps such ids to row 0 "
+        "as the reference engine does)",
+    ),
+    (re.compile(r"give compressed_vocab_size or a token map"), "give --token-map"),
+    (re.compile(r"use force=True / --force"), "use --force"),
+    (re.compile(r"(?<![-\w])bin_dtype\b"), "--bin-dtype"),
+    (re.compile(rf"(?<![-\w])({_KW})=True\b"), lambda m: _FLAGS[m.group(1)]),
+    (re.compile(rf"(?<![-\w])({_KW})=(?=[\s,;:.)]|$)"), lambda m: _FLAGS[m.group(1)]),
+    (re.compile(rf"(?<![-\w])({_KW})=(?=\S)"), lambda m: _FLAGS[m.group(1)] + " "),
+    (
+        re.compile(rf"(?<![-\w])({_KW_SNAKE})\b(?= (?:must|needs|applies))"),
+        lambda m: _FLAGS[m.group(1)],
+    ),
+]
+
+
+def cli_words(message: str) -> str:
+    """A library message in the words of the CLI: ``pass table=`` -> ``pass --table``,
+    ``needs hasher=`` -> ``needs --preset``, ``bin_dtype`` -> ``--bin-dtype``,
+    ``expected row_bytes=0`` -> ``expected --row-bytes 0``."""
+    for pattern, repl in _REWRITES:
+        message = pattern.sub(repl, message)
+    return message
 
 
 def int_list(text: str | None) -> list[int] | None:
@@ -70,41 +129,80 @@ def file_option(flag: str, dest: str, help: str) -> Callable[[F], F]:  # noqa: A
     )
 
 
-def progress_bar(quiet: bool, label: str, total: int) -> Any:
-    """The CLI's progress bar (on stderr; ``quiet`` hides it) for a known ``total``: a
-    context manager whose ``update(n)`` is a library ``progress`` callback. `LazyBar` opens
-    the same bar where the total is known only at the first report."""
-    return click.progressbar(length=total, label=label, hidden=quiet, file=sys.stderr)
+def progress_bar(
+    quiet: bool, label: str, total: int | None = None, *, unit: str = "B", row_bytes: int | None = None
+) -> Progress:
+    """The CLI's one progress display (`engramdb.cli._progress.Progress`, on stderr, drawn
+    only on a terminal; ``quiet`` hides it): pass ``bar.update`` (increments) or ``bar``
+    itself (``progress(done, total)``) as a library ``progress`` callback."""
+    return Progress(label, total=total, unit=unit, row_bytes=row_bytes, quiet=quiet)
+
+
+def LazyBar(quiet: bool, label: str, unit: str = "B") -> Progress:  # noqa: N802 (the old name)
+    """A `progress_bar` whose total comes with the first ``progress(done, total)``."""
+    return Progress(label, unit=unit, quiet=quiet)
 
 
 #: ``--quiet`` / ``-q``: hide the progress bar.
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+quiet_option = click.option(
+    "--quiet", "-q", is_flag=True, help="No progress line (none is drawn when stderr is not a terminal)."
+)
+
+#: ``--json``: print the result as one JSON document on stdout instead of the summary line.
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (no summary line)."
+)
 
 #: ``--force``: replace a table that exists (the table writers: build, attach).
 force_option = click.option("--force", is_flag=True, help="Replace the table if it exists.")
 
 
-class LazyBar(Closing):
-    """A click progress bar (on stderr) opened at the first report, once the total is known.
+def as_record(obj: Any) -> Any:
+    """A result (a summary dataclass, a dict, a list of them) as JSON-ready data; a summary
+    also carries its ``line``."""
+    if isinstance(obj, (list, tuple)):
+        return [as_record(o) for o in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        doc = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        for extra in ("gb_per_s", "tokens_per_s"):
+            if hasattr(type(obj), extra):
+                doc[extra] = getattr(obj, extra)
+        if hasattr(obj, "line"):
+            doc["line"] = obj.line()
+        return json_ready(doc)
+    return json_ready(obj)
 
-    Pass it as a library ``progress(done, total)`` callback; `close` it (or use it as a
-    context manager) when the call returns. ``quiet`` hides it."""
 
-    def __init__(self, quiet: bool, label: str) -> None:
-        self.quiet, self.label = quiet, label
-        self.bar: Any = None
-        self.done = 0
+def echo_result(as_json: bool, results: Any) -> None:
+    """Print a command's result: with ``--json`` one JSON document, else each summary's
+    line (``results``: one summary or a list)."""
+    if as_json:
+        click.echo(json.dumps(as_record(results), indent=1))
+        return
+    for r in results if isinstance(results, (list, tuple)) else [results]:
+        click.echo(r.line() if hasattr(r, "line") else str(r))
 
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = progress_bar(self.quiet, self.label, total)
-            self.bar.__enter__()
-        self.bar.update(done - self.done)
-        self.done = done
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
+def deprecated_alias(old: str, new: str, dest: str) -> Callable[[F], F]:
+    """A hidden option ``old`` that still works as ``new`` (stored in ``dest``), with a
+    deprecation note on stderr."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None and value != ():
+            click.echo(f"note: {old} is deprecated; use {new}", err=True)
+            ctx.meta[f"alias:{dest}"] = value
+        return value
+
+    return click.option(
+        old, f"_alias_{dest}", default=None, hidden=True, expose_value=False, callback=callback
+    )
+
+
+def aliased(ctx: click.Context, dest: str, value: Any) -> Any:
+    """``value`` of an option, or what its `deprecated_alias` gave when it was not set."""
+    if value is None or value == ():
+        return ctx.meta.get(f"alias:{dest}", value)
+    return value
 
 
 class _HasLine(Protocol):

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import click
 
 from engramdb.build.attach import attach, preset_tables
-from engramdb.cli._common import force_option, int_list, library_errors, progress_bar, quiet_option
+from engramdb.cli._common import (
+    as_record,
+    force_option,
+    int_list,
+    json_option,
+    library_errors,
+    progress_bar,
+    quiet_option,
+)
+from engramdb.cli._progress import wait_for_writer
 from engramdb.units import format_bytes
 
 
@@ -34,7 +44,9 @@ from engramdb.units import format_bytes
     help="Keygen preset: tables, tensor names and heads "
     "(config.json beside FILES overrides its fields).",
 )
-@click.option("--row-bytes", "-r", type=int, default=None, help="Row bytes of raw row files.")
+@click.option(
+    "--row-bytes", "-r", type=click.IntRange(min=1), default=None, help="Row bytes of raw row files."
+)
 @click.option(
     "--rows-per-shard",
     type=int,
@@ -46,6 +58,7 @@ from engramdb.units import format_bytes
 @click.option("--checksum", is_flag=True, help="Also hash every 64 MiB block of every file.")
 @force_option
 @quiet_option
+@json_option
 @library_errors
 def attach_cmd(
     db: str,
@@ -61,10 +74,14 @@ def attach_cmd(
     checksum: bool,
     force: bool,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Attach table(s) of DB to FILES in place: writes only the manifest, copies no row.
 
     FILES are .safetensors files, raw row files, or directories of shard_NNN.bin files.
+
+    \b
+    Example: engramdb attach db/ model.safetensors --table ple --tensor '*per_layer*'
     """
     if preset is not None:
         if table or tensors or scale_tensor or heads:
@@ -82,6 +99,8 @@ def attach_cmd(
             }
         ]
     total = sum(os.stat(f).st_size for f in files) if checksum else 0
+    wait_for_writer(db, quiet)
+    done = []
     with progress_bar(quiet or not checksum, "hashing", total) as bar:
         for job in jobs:
             s = attach(
@@ -98,8 +117,13 @@ def attach_cmd(
                 force=force,
                 progress=bar.update,
             )
+            done.append(s)
+            if as_json:
+                continue
             click.echo(
                 f"attached {s.table}: {s.rows:,} rows x {s.row_bytes} B = "
                 f"{format_bytes(s.rows * s.row_bytes)} in place from {s.files} file(s) "
                 f"in {s.seconds * 1e3:.1f} ms"
             )
+    if as_json:
+        click.echo(json.dumps(as_record(done if len(done) != 1 else done[0]), indent=1))

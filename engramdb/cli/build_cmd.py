@@ -4,13 +4,15 @@ import click
 
 from engramdb.build import build
 from engramdb.cli._common import (
-    echo_summaries,
+    echo_result,
     force_option,
     int_list,
+    json_option,
     library_errors,
     progress_bar,
     quiet_option,
 )
+from engramdb.cli._progress import wait_for_writer
 from engramdb.sources import resolve_sources
 from engramdb.units import parse_size
 
@@ -19,7 +21,9 @@ from engramdb.units import parse_size
 @click.argument("db", type=click.Path(file_okay=False))
 @click.argument("sources", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--table", "-t", required=True, help="Table name ([A-Za-z0-9_.-]).")
-@click.option("--row-bytes", "-r", type=int, default=None, help="Bytes per row.")
+@click.option(
+    "--row-bytes", "-r", type=click.IntRange(min=1), default=None, help="Bytes per row."
+)
 @click.option(
     "--from-attached",
     is_flag=True,
@@ -81,6 +85,7 @@ from engramdb.units import parse_size
     help="After publishing, read the table into the page cache (for reading right away).",
 )
 @quiet_option
+@json_option
 @library_errors
 def build_cmd(
     db: str,
@@ -101,6 +106,7 @@ def build_cmd(
     force: bool,
     warm: bool,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Build table TABLE of database DB from SOURCES (.npy, raw .bin, .safetensors).
 
@@ -108,6 +114,7 @@ def build_cmd(
     the previous database exactly as it was. The build writes with O_DIRECT, so the new
     table is not in the page cache; --warm reads it in after publishing.
 
+    \b
     Example: engramdb build DB --table ple --preset qwen3.8-flash-next --scale tiny --synthetic 1
     """
     if from_attached:
@@ -115,7 +122,8 @@ def build_cmd(
 
         if sources:
             raise click.BadParameter("--from-attached takes no SOURCES")
-        echo_summaries([materialize(db, table, into)])
+        wait_for_writer(db, quiet)
+        echo_result(as_json, materialize(db, table, into))
         return
     if synthetic is not None and sources:
         raise click.BadParameter("--synthetic takes no SOURCES")
@@ -140,7 +148,8 @@ def build_cmd(
         total = sum(
             s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g
         )
-    with progress_bar(quiet, f"building {table}", total) as bar:
+    wait_for_writer(db, quiet)  # a wait for another writer is said, and not timed as build
+    with progress_bar(quiet, f"building {table}", total, row_bytes=row_bytes) as bar:
         summary = build(
             db,
             table,
@@ -158,10 +167,11 @@ def build_cmd(
             scale=scale,
             layer=layer,
         )
-    echo_summaries([summary])
+    results: list[object] = [summary]
     if warm:
         from engramdb.database import Database
         from engramdb.warm import warm_tables
 
         with Database(db, background_warm=False) as d:
-            echo_summaries(warm_tables(d, [table]))
+            results += warm_tables(d, [table])
+    echo_result(as_json, results if warm else summary)

@@ -18,6 +18,7 @@ def demo_cmd(directory: str | None, seconds: float, clean: bool) -> None:
     round trip over a Unix socket, corpus streaming. Each step prints its measured figure
     and its baseline from the same run (gathers: np.take(out=) on a populated mapping).
 
+    \b
     Example: engramdb demo --clean
     """
     run_demo(directory, click.echo, seconds=seconds, clean=clean)

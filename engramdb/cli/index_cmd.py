@@ -1,4 +1,4 @@
-"""``engramdb index CORPUS DB --preset NAME``: one call to :func:`engramdb.build.index.build_index`."""
+"""``engramdb index DB CORPUS --preset NAME``: one call to :func:`engramdb.build.index.build_index`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import click
 from engramdb.build.index import DEFAULT_CHUNK_TOKENS, DEFAULT_HOT_ROWS, build_index
 from engramdb.cli._common import (
     LazyBar,
-    echo_summaries,
+    echo_result,
     file_option,
+    json_option,
     library_errors,
     quiet_option,
     shown_option,
 )
+from engramdb.cli._progress import wait_for_writer
 from engramdb.corpus import BIN_DTYPES
 from engramdb.keygen import PRESETS
 from engramdb.keygen.presets import is_preset_name
@@ -30,8 +32,8 @@ def _preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 
 @click.command("index")
+@click.argument("db", type=click.Path(exists=True, path_type=Path))
 @click.argument("corpus", type=click.Path(exists=True, path_type=Path))
-@click.argument("db", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
     "--preset",
     "preset_name",
@@ -71,10 +73,11 @@ def _preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
     help="Tokens hashed per step (bounds working memory).",
 )
 @quiet_option
+@json_option
 @library_errors
 def index_cmd(
-    corpus: Path,
     db: Path,
+    corpus: Path,
     preset_name: str,
     table: str | None,
     layer: int | None,
@@ -85,15 +88,21 @@ def index_cmd(
     token_map: Path | None,
     chunk_tokens: int,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Count the row accesses a token CORPUS makes into a table of database DB.
+
+    \b
+    Example: engramdb index db/ corpus.npy --preset qwen3.8-flash-next --table ple
 
     CORPUS is a .npy of token ids ([T] one sequence, [S, T] S sequences), a raw .bin of
     uint32/int32 ids, or a directory of them. Writes DB/<table>/index/ (zstd): hot.zst (the
     most frequent rows with counts), keys.zst (distinct n-gram keys in order of first access,
     with counts) and index.json.
     """
-    with LazyBar(quiet, "indexing") as bar:
+    db, corpus = _db_first(db, corpus)
+    wait_for_writer(db, quiet)
+    with LazyBar(quiet, "indexing", unit="tokens") as bar:
         summary = build_index(
             corpus,
             db,
@@ -108,4 +117,16 @@ def index_cmd(
             chunk_tokens=chunk_tokens,
             progress=bar,
         )
-    echo_summaries([summary])
+    echo_result(as_json, summary)
+
+
+def _db_first(db: Path, corpus: Path) -> tuple[Path, Path]:
+    """(DB, CORPUS); the old order ``index CORPUS DB`` still works, with a note on stderr."""
+    if not (db / "manifest.json").is_file() and (corpus / "manifest.json").is_file():
+        click.echo(
+            "note: `engramdb index CORPUS DB` is deprecated; the database comes first: "
+            f"`engramdb index {corpus} {db}`",
+            err=True,
+        )
+        return corpus, db
+    return db, corpus

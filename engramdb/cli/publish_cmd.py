@@ -4,7 +4,15 @@ import os
 
 import click
 
-from engramdb.cli._common import library_errors, progress_bar, quiet_option
+from engramdb.cli._common import (
+    aliased,
+    deprecated_alias,
+    echo_result,
+    json_option,
+    library_errors,
+    progress_bar,
+    quiet_option,
+)
 from engramdb.database import Database
 from engramdb.integrations import mooncake
 from engramdb.units import parse_size
@@ -26,8 +34,12 @@ from engramdb.units import parse_size
     help="Table to publish (repeatable). Default: every table.",
 )
 @click.option(
-    "--name", default=None, help="Publication name. Default: the database's directory name."
+    "--publication",
+    "name",
+    default=None,
+    help="Publication name in the store. Default: the database's directory name.",
 )
+@deprecated_alias("--name", "--publication", "publication")
 @click.option(
     "--object-size",
     default=f"{mooncake.DEFAULT_OBJECT_BYTES >> 20}M",
@@ -58,6 +70,7 @@ from engramdb.units import parse_size
     help="Seconds the master (and an HTTP metadata server) get to accept a connection.",
 )
 @click.option("--verbose", "-v", is_flag=True, help="Show the native Mooncake client's log.")
+@json_option
 @library_errors
 def publish(
     db: str,
@@ -73,15 +86,21 @@ def publish(
     quiet: bool,
     connect_timeout: float,
     verbose: bool,
+    as_json: bool,
 ) -> None:
     """Publish tables of database DB into a Mooncake store so every host can read them.
 
     Streams each table head by head as store objects, then writes a manifest object
-    (engramdb:NAME:manifest) that `engramdb.integrations.mooncake.open_mooncake` reads to
-    discover the layout. Create-only: publishing a NAME twice is an error. Store-P
+    (engramdb:PUBLICATION:manifest) that `engramdb.integrations.mooncake.open_mooncake` reads to
+    discover the layout. Create-only: publishing a PUBLICATION twice is an error. Store-P
     views go along (records plus a row index) so readers can serve lookups in runs
     (open_mooncake(..., view=NAME)).
+
+    \b
+    Example: engramdb publish db/ --mooncake 127.0.0.1:50051 \\
+      --metadata http://127.0.0.1:8080/metadata --publication prod
     """
+    name = aliased(click.get_current_context(), "publication", name)
     if views and no_views:
         raise click.UsageError("--view and --no-views exclude each other")
     if verbose:  # the native log is quiet by default (GLOG_minloglevel=2)
@@ -107,4 +126,4 @@ def publish(
                 protocol=protocol,
                 connect_timeout=connect_timeout,
             )
-    click.echo(summary.line())
+    echo_result(as_json, summary)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from engramdb.cli._common import library_errors, shown_option
+from engramdb.cli._common import backend_option, library_errors, shown_option
 from engramdb.errors import InvalidArgument
 from engramdb.serve.auth import load_token, token_file_is_private
 from engramdb.serve.context import Limits
@@ -58,7 +58,7 @@ def _limit(flag: str, help: str) -> Any:  # noqa: A002
     default=None,
     help="RAM tier size per table, e.g. 8G.",
 )
-@shown_option("--backend", "auto", "Reader backend.")
+@backend_option("Reader backend (auto picks by table size and residency).")
 @click.option(
     "--populate",
     is_flag=True,
@@ -118,6 +118,9 @@ def serve(
     wire protocol (docs/serve.md).
 
     Opens DB read-only. Stops on SIGTERM / Ctrl-C after in-flight requests finish.
+
+    \b
+    Example: engramdb serve db/ --port 7070 --token-file token.txt
     """
     token = None
     if token_file is not None:

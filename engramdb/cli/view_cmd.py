@@ -9,23 +9,44 @@ from typing import Any
 import click
 
 from engramdb.build.view import build_view
-from engramdb.cli._common import LazyBar, file_option, library_errors, quiet_option
+from engramdb.cli._common import (
+    LazyBar,
+    aliased,
+    deprecated_alias,
+    echo_result,
+    file_option,
+    json_option,
+    library_errors,
+    quiet_option,
+)
+from engramdb.cli._progress import wait_for_writer
 from engramdb.cli.bench import measure_latency, measure_throughput
+from engramdb.io.select import BACKENDS
 from engramdb.keygen import PRESETS
 from engramdb.view import View
 
-_BACKENDS = ("auto", "mmap", "preadv", "io_uring")
-
 
 def _view_options(fn: Any) -> Any:
-    fn = click.option("--name", "-n", required=True, help="View name.")(fn)
+    fn = deprecated_alias("--name", "--view", "view")(fn)
+    fn = click.option("--view", "-n", "name", default=None, help="View name (required).")(fn)
     fn = click.option("--table", "-t", required=True, help="Table the view belongs to.")(fn)
     return click.argument("db", type=click.Path(exists=True, file_okay=False, path_type=Path))(fn)
 
 
+def _view_name(name: str | None) -> str:
+    value = aliased(click.get_current_context(), "view", name)
+    if not value:
+        raise click.UsageError("Missing option '--view' (the view's name).")
+    return str(value)
+
+
 @click.group("view")
 def view_group() -> None:
-    """Store-P materialized views: one fixed-size record per n-gram key, in access order."""
+    """Store-P materialized views: one fixed-size record per n-gram key, in access order.
+
+    \b
+    Example: engramdb view build db/ --table ple --view hot --from-index
+    """
 
 
 @view_group.command("build")
@@ -57,11 +78,12 @@ def view_group() -> None:
 )
 @click.option("--force", is_flag=True, help="Replace an existing view of that name.")
 @quiet_option
+@json_option
 @library_errors
 def build_cmd(
     db: Path,
     table: str,
-    name: str,
+    name: str | None,
     keys_file: Path | None,
     counts_file: Path | None,
     from_index: bool,
@@ -72,11 +94,18 @@ def build_cmd(
     slot_bytes: int | None,
     force: bool,
     quiet: bool,
+    as_json: bool,
 ) -> None:
-    """Build view NAME of table T in database DB from keys (--keys / --from-index) or
+    """Build view --view V of table T in database DB from keys (--keys / --from-index) or
     explicit row ids (--rows), gathering every record from Store-I, and publish it
-    atomically. Ends with a one-line summary."""
-    with LazyBar(quiet, "gathering") as bar:
+    atomically. Ends with a one-line summary.
+
+    \b
+    Example: engramdb view build db/ --table ple --view hot --from-index --disk-budget 1G
+    """
+    name = _view_name(name)
+    wait_for_writer(db, quiet)
+    with LazyBar(quiet, "gathering", unit="records") as bar:
         summary = build_view(
             db,
             table=table,
@@ -92,7 +121,7 @@ def build_cmd(
             force=force,
             progress=bar,
         )
-    click.echo(summary.line())
+    echo_result(as_json, summary)
 
 
 @view_group.command("bench")
@@ -104,7 +133,13 @@ def build_cmd(
     show_default=True,
     help="Consecutive slots (corpus replay) or a random permutation.",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=16384, show_default=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=16384,
+    show_default=True,
+    help="Records per View.read_records call.",
+)
 @click.option("--cold", is_flag=True, help="Evict the view first and read each record once.")
 @click.option(
     "--records",
@@ -112,13 +147,19 @@ def build_cmd(
     help="Records per pass (default: all; cold at most 262,144).",
 )
 @click.option("--seconds", type=float, default=1.0, show_default=True, help="Warm: time per order.")
-@click.option("--backend", type=click.Choice(_BACKENDS), default="auto", show_default=True)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="auto",
+    show_default=True,
+    help="Reader of the view's records.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @library_errors
 def bench_cmd(
     db: Path,
     table: str,
-    name: str,
+    name: str | None,
     order: str,
     batch: int,
     cold: bool,
@@ -128,7 +169,12 @@ def bench_cmd(
     as_json: bool,
 ) -> None:
     """Throughput of View.read_records: records/s, MB/s and bytes amplification (bytes asked
-    of the mapping/backend and bytes read from the device, per byte returned)."""
+    of the mapping/backend and bytes read from the device, per byte returned).
+
+    \b
+    Example: engramdb view bench db/ --table ple --view hot --order random --seconds 2
+    """
+    name = _view_name(name)
     orders = ["access", "random"] if order == "both" else [order]
     with View(db, table=table, name=name, backend=backend) as view:
         results = [
@@ -150,11 +196,22 @@ def bench_cmd(
 @view_group.command("lat")
 @_view_options
 @click.option("--warm/--cold", default=True, show_default=True, help="Populated or evicted.")
-@click.option("--steps", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="Single-record reads to time.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @library_errors
-def lat_cmd(db: Path, table: str, name: str, warm: bool, steps: int, as_json: bool) -> None:
-    """Latency of single View.read_record calls on random records: p50 / p99 in us."""
+def lat_cmd(db: Path, table: str, name: str | None, warm: bool, steps: int, as_json: bool) -> None:
+    """Latency of single View.read_record calls on random records: p50 / p99 in us.
+
+    \b
+    Example: engramdb view lat db/ --table ple --view hot --steps 20000
+    """
+    name = _view_name(name)
     with View(db, table=table, name=name, backend="mmap") as view:
         result = measure_latency(view, steps=steps, cold=not warm)
     click.echo(json.dumps(result.as_dict(), indent=1) if as_json else result.line())

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import json
+
 import click
 
-from engramdb.cli._common import echo_summaries, library_errors, progress_bar, quiet_option
+from engramdb.cli._common import (
+    as_record,
+    echo_result,
+    echo_summaries,
+    json_option,
+    library_errors,
+    progress_bar,
+    quiet_option,
+)
 from engramdb.database import Database
 from engramdb.errors import InvalidArgument
-from engramdb.units import parse_size
+from engramdb.units import format_bytes, parse_size
 from engramdb.warm import hold, residency, warm_hot, warm_tables, warm_view
 
 
@@ -45,6 +55,7 @@ from engramdb.warm import hold, residency, warm_hot, warm_tables, warm_view
     help="Hash each warmed table's 64 MiB blocks against the manifest (ChecksumMismatch).",
 )
 @quiet_option
+@json_option
 @library_errors
 def warm_cmd(
     db: str,
@@ -60,12 +71,17 @@ def warm_cmd(
     seconds: float | None,
     verify: bool,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Load tables of DB into the page cache at device speed (MADV_POPULATE_READ from
     background threads), or a Store-P view with --table T --view V, or with --hot
     --ram-budget B pin each table's hot set in a RAM tier of B bytes, or with --check report
     how much of each is resident. --lock / --watch then keep the tables resident while the
-    command runs (mlock within --lock-budget; re-warm after residency loss)."""
+    command runs (mlock within --lock-budget; re-warm after residency loss).
+
+    \b
+    Example: engramdb warm db/ --table ple --check
+    """
     if lock_budget is not None and not lock:
         raise InvalidArgument("--lock-budget applies to --lock")
     if (lock or watch) and (hot or check or view is not None):
@@ -85,24 +101,26 @@ def warm_cmd(
         if view is not None:
             v = d[names[0]].view(view)
             if check:
-                click.echo(
-                    f"{names[0]}/{view}: {v.residency():.1%} resident ({v.nbytes / 1e9:.2f} GB)"
-                )
+                _echo_residency(as_json, {f"{names[0]}/{view}": (v.residency(), v.nbytes)})
             else:
-                echo_summaries([warm_view(d, names[0], view, threads=threads)])
+                echo_result(as_json, warm_view(d, names[0], view, threads=threads))
             return
         if check:
-            for name, frac in residency(d, names).items():
-                click.echo(f"{name}: {frac:.1%} resident ({d[name].nbytes / 1e9:.2f} GB)")
+            fracs = residency(d, names)
+            _echo_residency(as_json, {n: (fracs[n], d[n].nbytes) for n in names})
             return
         if hot:
-            echo_summaries(warm_hot(d, names))
+            echo_result(as_json, warm_hot(d, names))
             return
         total = sum(d[n].nbytes for n in names)
-        with progress_bar(quiet, "warming", total) as bar:
+        one = d[names[0]].row_bytes if len(names) == 1 else None
+        with progress_bar(quiet, "warming", total, row_bytes=one) as bar:
             summaries = warm_tables(
                 d, names, threads=threads, progress=bar.update, verify=verify
             )
+        if as_json and not (lock or watch):
+            echo_result(True, summaries)
+            return
         echo_summaries(summaries)
         if lock or watch:
             budget = parse_size(lock_budget) if lock_budget is not None else None
@@ -112,3 +130,17 @@ def warm_cmd(
             except KeyboardInterrupt:
                 return
             echo_summaries(held)
+
+
+def _echo_residency(as_json: bool, rows: dict[str, tuple[float, int]]) -> None:
+    """``--check``: each table's (or view's) resident fraction and size."""
+    if as_json:
+        click.echo(
+            json.dumps(
+                as_record({k: {"resident": f, "bytes": n} for k, (f, n) in rows.items()}),
+                indent=1,
+            )
+        )
+        return
+    for name, (frac, n) in rows.items():
+        click.echo(f"{name}: {frac:.1%} resident ({format_bytes(n)})")

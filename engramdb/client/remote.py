@@ -463,6 +463,12 @@ class RemoteView:
             for action in ("records", "lookup", "lookup_tokens")
         }
 
+    def __repr__(self) -> str:
+        return (
+            f"RemoteView(table={self.table.name!r}, name={self.name!r}, "
+            f"n_records={self.n_records}, record_bytes={self.record_bytes})"
+        )
+
     def _call(self, action: str, ids: Any, out: np.ndarray | None) -> np.ndarray:
         arr = as_rowids(ids)
         rb = int(self.record_bytes or 0)

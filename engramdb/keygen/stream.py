@@ -75,6 +75,11 @@ class KeyStream:
         self.batched_pushes = 0
         self.reset()
 
+    def __repr__(self) -> str:
+        return (
+            f"KeyStream(hasher={getattr(self._h, 'name', None) or type(self._h).__name__!r}, layer={self.layer}, "
+            f"n_heads={self.n_heads}, position={self.position}, compressed={self.compressed})"
+        )
     def reset(self) -> None:
         """Forget every sequence: the next push starts fresh (any batch shape)."""
         self.batch_shape: tuple[int, ...] | None = None

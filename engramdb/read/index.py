@@ -23,6 +23,7 @@ from engramdb.disk.publish import read_manifest
 from engramdb.errors import (
     ChecksumMismatch,
     CorruptFile,
+    IndexNotFound,
     InvalidArgument,
     TableNotFound,
     TruncatedFile,
@@ -192,7 +193,9 @@ def load_index(db_path: str | os.PathLike[str], table: str) -> TableIndex:
 
 def _load(db: Path, info: TableInfo, table: str, meta: dict[str, Any] | None) -> TableIndex:
     if meta is None:
-        raise TableNotFound(f"table {table!r} in {db} has no index (run `engramdb index`)")
+        raise IndexNotFound(
+            f"table {table!r} in {db} has no index (run `engramdb index {db} CORPUS --preset P`)"
+        )
     where = f"{table}/index/index.json"
     n_hot = _field(meta, "hot.rows", int, where)
     if n_hot > info.n_rows:

@@ -163,6 +163,9 @@ class Prefetcher:
         self._buffered: Backend | None = None
 
     # -- submission ---------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"Prefetcher(table={getattr(self.store, 'name', '?')!r}, depth={self.depth})"
     def submit(self, rowids: Any) -> Ticket:
         """Queue a background read of global ``rowids``. Never raises for bad ids: an id out of
         range fails the ticket, and the error surfaces where the rows are fetched."""

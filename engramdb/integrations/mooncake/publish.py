@@ -76,8 +76,7 @@ class PublishSummary(Summary):
         skipped = f"; skipped views: {', '.join(self.skipped_views)}" if self.skipped_views else ""
         return (
             f"published {len(self.tables)} table(s){views} as {self.name!r}: {self.objects} "
-            f"objects, {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s, "
-            f"{self.gb_per_s:.2f} GB/s{skipped}"
+            f"objects, {self.size_and_rate()}{skipped}"
         )
 
 
