@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -227,6 +228,7 @@ class SourceSegments:
         self.resident_bytes = 0
         self.resident_seconds = 0.0
         self._loader: threading.Thread | None = None
+        self._release: weakref.finalize | None = None  # type: ignore[type-arg]
         self._load_lock = threading.Lock()
         self._stop = False
         self._split = SplitDecision()
@@ -255,6 +257,8 @@ class SourceSegments:
                 self.resident_state = f"over budget ({need} B > {resident_budget()} B left)"
                 return
             self.resident_bytes = need
+            # returned at close, after a failed load, or when an unclosed table is collected
+            self._release = weakref.finalize(self, _release, need)
             self.resident_state = "loading"
             self._loader = threading.Thread(
                 target=self._load, name=f"engramdb-resident-{self.name}", daemon=True
@@ -286,7 +290,8 @@ class SourceSegments:
                         self._pread(int(c.file[r]), flat[lo + o : lo + o + m], int(c.offset[r]) + o)
                 copies.append(arr)
         except Exception as e:  # the columns stay read from their sources (which guard)
-            _release(self.resident_bytes)
+            if self._release is not None:
+                self._release()
             self.resident_bytes = 0
             self.resident_state = "closed" if self._stop else f"failed: {e}"
             return
@@ -323,13 +328,15 @@ class SourceSegments:
                     f"({now} bytes, attached with {self._sizes[i]})"
                 )
 
-    def _buf(self, width: int) -> np.ndarray:
-        """This thread's reused ``[CHUNK_ROWS, width]`` gather buffer."""
-        b = getattr(self._bufs, f"w{width}", None)
-        if b is None:
-            b = np.empty((CHUNK_ROWS, width), np.uint8)
-            setattr(self._bufs, f"w{width}", b)
-        return b  # type: ignore[no-any-return]
+    def _buf(self, width: int, rows: int = CHUNK_ROWS, kind: str = "c") -> np.ndarray:
+        """This thread's reused ``[rows, width]`` gather buffer of ``kind`` (grown, never
+        shrunk: fresh allocations fault their pages in)."""
+        key = f"{kind}{width}"
+        b = getattr(self._bufs, key, None)
+        if b is None or b.shape[0] < rows:
+            b = np.empty((max(rows, CHUNK_ROWS), width), np.uint8)
+            setattr(self._bufs, key, b)
+        return b[:rows]  # type: ignore[no-any-return]
 
     def take(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Rows of validated ids from the mappings (and resident columns), after `guard` of
@@ -372,14 +379,20 @@ class SourceSegments:
         # Each column of ``out2d`` as a 1-D strided array of ``V{width}`` items: a copy into
         # it is one memcpy per row (faster than a 2-D uint8 or uint64 copy).
         fields = out2d.reshape(-1).view(self._row_dtype)
-        cols = [
-            (c, r, self._buf(c.width), fields[f"c{i}"])
-            for i, (c, r) in enumerate(zip(self.columns, runs))
-        ]
+        wide = []
+        for i, (c, r) in enumerate(zip(self.columns, runs)):
+            dst = fields[f"c{i}"]
+            if c.width * 4 <= self.row_bytes:
+                # a narrow column: one gather of the whole range (a small buffer), one copy
+                t = self._buf(c.width, hi - lo, "n")
+                c.take(flat[lo:hi], t, None if r is None else r[lo:hi])
+                dst[lo:hi] = t.reshape(-1).view(dst.dtype)
+            else:
+                wide.append((c, r, self._buf(c.width, CHUNK_ROWS), dst))
         for a in range(lo, hi, CHUNK_ROWS):
             b = min(hi, a + CHUNK_ROWS)
             ids = flat[a:b]
-            for c, r, buf, dst in cols:
+            for c, r, buf, dst in wide:
                 t = buf[: b - a]
                 c.take(ids, t, None if r is None else r[a:b])
                 dst[a:b] = t.reshape(-1).view(dst.dtype)
@@ -514,8 +527,8 @@ class SourceSegments:
         if t is not None:
             t.join()
             self._loader = None
-        if self.resident_state == "ready":
-            _release(self.resident_bytes)
+        if self._release is not None:
+            self._release()  # once: a no-op after a failed load
             self.resident_bytes = 0
         if self.resident_state in ("idle", "ready", "loading"):
             self.resident_state = "closed"
