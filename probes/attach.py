@@ -47,6 +47,7 @@ from engramdb.io.mapping import MADV_DONTNEED  # noqa: E402
 from engramdb.testing.pages import evict  # noqa: E402
 
 BATCH = 16_384
+ALIGN = 8  # data start alignment of the probe's safetensors files (--align)
 
 
 def v41_header(n: int) -> bytes:
@@ -63,7 +64,9 @@ def v41_header(n: int) -> bytes:
         },
     }
     text = json.dumps(doc).encode()
-    text += b" " * (-len(text) % 8)
+    # the header is padded to 8 bytes as the safetensors writer does (rows then start at an
+    # 8-byte, not a cache-line, boundary); --align 64 pads the data start to a cache line
+    text += b" " * (-(len(text) + 8) % ALIGN)
     return struct.pack("<Q", len(text)) + text
 
 
@@ -167,6 +170,7 @@ def cold_child(db: str, table: str, seed: int) -> None:
                     "resident_load_ms": load_s * 1e3,
                     "resident": state,
                     "backend": st.backend_name,
+                    "chosen": st._auto.last_choice if st._auto is not None else "",
                 }
             )
         )
@@ -188,15 +192,18 @@ def main() -> None:
     ap.add_argument("--sparse-gb", type=float, default=50)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--align", type=int, default=8, help="data start alignment (8: as written)")
     ap.add_argument("--cold-child", nargs=3, metavar=("DB", "TABLE", "SEED"), default=None)
     a = ap.parse_args()
+    global ALIGN
+    ALIGN = a.align
     if a.cold_child:
         cold_child(a.cold_child[0], a.cold_child[1], int(a.cold_child[2]))
         return
     gib = a.gib if a.gib is not None else (0.5 if a.quick else 1.0)
     reps = a.reps if a.reps is not None else (5 if a.quick else 9)
     root = Path(tempfile.mkdtemp(prefix="attach-probe-", dir=a.dir))
-    doc: dict[str, Any] = {"gib": gib, "reps": reps, "batch": BATCH}
+    doc: dict[str, Any] = {"gib": gib, "reps": reps, "batch": BATCH, "align": ALIGN}
     try:
         doc["sparse"] = sparse_part(root, a.sparse_gb)
         src, n = real_file(root, gib)
@@ -287,7 +294,7 @@ def main() -> None:
                     assert res["resident"] == "ready", res
                 c[k].append(res["rows_per_s"])
                 extra[k].append(res)
-                row.append(f"{k}={res['rows_per_s'] / 1e6:.3f}M")
+                row.append(f"{k}={res['rows_per_s'] / 1e6:.3f}M ({res['chosen']})")
             print(f"  rep {r}: " + "  ".join(row))
         loads = [e["resident_load_ms"] for e in extra["ws"]]
         print(
