@@ -11,11 +11,14 @@ attached tables against the same tables built, in the same run.
 2. Real data (``--gib`` GiB of random rows in one safetensors file): table ``w`` attaches the
    weight tensor (one column: 256 B rows), ``ws`` weight + scale (264 B rows from two
    tensors); ``w_built`` / ``ws_built`` are the same rows built (``build --from-attached``).
-   Warm (populated, single-thread baseline ``np.take`` on the built mapping first): batches
-   of 16,384 random ids through ``fetch_into``. Cold (every arm: own mappings dropped, files
-   evicted, residency checked < 1 %): one batch of 16,384 ids per repetition, default
-   ``auto`` backend. Arms interleaved ABAB; medians and the attached/built ratios last.
-   JSON to probes/out/attach.json.
+   Warm (populated; ``ws`` also loads its 8 B scale column into RAM, checked; single-thread
+   baseline ``np.take`` on the built mapping first): 16 batches of 16,384 random ids through
+   ``fetch_into`` per repetition. Cold: a fresh process per arm and repetition opens the
+   database (an attached ``ws`` loads its scale column, timed and reported, not in the
+   timed batch), drops its own mapped pages, evicts the files with POSIX_FADV_DONTNEED (no
+   global drop_caches), checks residency < 1 %, then times one batch of 16,384 random ids
+   (default ``auto`` backend). Arms interleaved ABBA; per-repetition and median
+   attached/built ratios last. JSON to probes/out/attach.json.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleave, median, vm_hwm_mb, write_json  # noqa: E402
 
@@ -42,6 +47,7 @@ from engramdb.io.mapping import MADV_DONTNEED  # noqa: E402
 from engramdb.testing.pages import evict  # noqa: E402
 
 BATCH = 16_384
+ALIGN = 8  # data start alignment of the probe's safetensors files (--align)
 
 
 def v41_header(n: int) -> bytes:
@@ -58,7 +64,9 @@ def v41_header(n: int) -> bytes:
         },
     }
     text = json.dumps(doc).encode()
-    text += b" " * (-len(text) % 8)
+    # the header is padded to 8 bytes as the safetensors writer does (rows then start at an
+    # 8-byte, not a cache-line, boundary); --align 64 pads the data start to a cache line
+    text += b" " * (-(len(text) + 8) % ALIGN)
     return struct.pack("<Q", len(text)) + text
 
 
@@ -114,18 +122,67 @@ def real_file(root: Path, gib: float) -> tuple[Path, int]:
     return src, n
 
 
-def drop(tables: list[Any]) -> None:
-    """Cold state: drop every table's mapped pages (attached tables share a source file),
-    then evict every file."""
-    for st in tables:
+def table_files(st: Any) -> list[str]:
+    if st.attached:
+        return [f.path for f in st.info.attached.files]
+    return [str(st.db_path / s.path) for s in st.info.shards]
+
+
+def resident_of(st: Any) -> tuple[str, float]:
+    """An attached table's resident-column state and load seconds ("-" for others)."""
+    seg = st._segments
+    if seg is None:
+        return "-", 0.0
+    return seg.resident_state, seg.resident_seconds
+
+
+def cold_child(db: str, table: str, seed: int) -> None:
+    """One cold arm in this fresh process: open, wait for the resident columns (timed),
+    drop this process's mapped pages, evict the files, check residency, time one batch of
+    `BATCH` random ids read through ``fetch_into`` (default ``auto`` backend)."""
+    t0 = time.perf_counter()
+    # background_warm off for every arm: a built table's background warm (started by its
+    # first cold read) would read the whole table while the batch is timed
+    with engramdb.open(db, background_warm=False) as d:
+        st = d[table]
+        open_s = time.perf_counter() - t0
+        seg = st._segments
+        t0 = time.perf_counter()
+        if seg is not None:
+            seg.wait_resident()
+        load_s = time.perf_counter() - t0
         st._mapping.advise(MADV_DONTNEED)
-    for st in tables:
-        if st.attached:
-            paths = [f.path for f in st.info.attached.files]
-        else:
-            paths = [str(st.db_path / s.path) for s in st.info.shards]
-        for p in paths:
+        for p in table_files(st):
             evict(p)
+        res = st.residency()
+        ids = np.random.default_rng(seed).integers(0, st.n_rows, BATCH)
+        out = np.empty((BATCH, st.row_bytes), np.uint8)
+        t0 = time.perf_counter()
+        st.fetch_into(ids, out)
+        dt = time.perf_counter() - t0
+        state, _ = resident_of(st)
+        print(
+            json.dumps(
+                {
+                    "rows_per_s": BATCH / dt,
+                    "residency": res,
+                    "open_ms": open_s * 1e3,
+                    "resident_load_ms": load_s * 1e3,
+                    "resident": state,
+                    "backend": st.backend_name,
+                    "chosen": st._auto.last_choice if st._auto is not None else "",
+                }
+            )
+        )
+
+
+def run_child(db: Path, table: str, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--cold-child", str(db), table, str(seed)]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -135,11 +192,18 @@ def main() -> None:
     ap.add_argument("--sparse-gb", type=float, default=50)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--align", type=int, default=8, help="data start alignment (8: as written)")
+    ap.add_argument("--cold-child", nargs=3, metavar=("DB", "TABLE", "SEED"), default=None)
     a = ap.parse_args()
+    global ALIGN
+    ALIGN = a.align
+    if a.cold_child:
+        cold_child(a.cold_child[0], a.cold_child[1], int(a.cold_child[2]))
+        return
     gib = a.gib if a.gib is not None else (0.5 if a.quick else 1.0)
-    reps = a.reps if a.reps is not None else (3 if a.quick else 5)
+    reps = a.reps if a.reps is not None else (5 if a.quick else 9)
     root = Path(tempfile.mkdtemp(prefix="attach-probe-", dir=a.dir))
-    doc: dict[str, Any] = {"gib": gib, "reps": reps}
+    doc: dict[str, Any] = {"gib": gib, "reps": reps, "batch": BATCH, "align": ALIGN}
     try:
         doc["sparse"] = sparse_part(root, a.sparse_gb)
         src, n = real_file(root, gib)
@@ -163,14 +227,23 @@ def main() -> None:
             f"{median(cold_opens) * 1e3:.1f} ms (median of 3; 2 tables, ~5 reads per file)"
         )
         rng = np.random.default_rng(1)
-        ids = [rng.integers(0, n, BATCH) for _ in range(8)]
+        ids = [rng.integers(0, n, BATCH) for _ in range(16)]
         with engramdb.open(db) as da, engramdb.open(built) as dbb:
             t = {"w": da["w"], "ws": da["ws"], "w_built": dbb["w_tmp"], "ws_built": dbb["ws_tmp"]}
             for k in ("w", "ws"):  # correctness first
                 want = t[f"{k}_built"].fetch(ids[0])
                 assert np.array_equal(t[k].fetch(ids[0]), want), k
             for st in t.values():
-                st.populate()
+                st.populate()  # attached ws: also loads its 8 B scale column into RAM
+            state, load_s = resident_of(t["ws"])
+            assert state == "ready", state  # the path under test ran
+            doc["ws_resident"] = {"state": state, "load_ms": load_s * 1e3, "bytes": n * 8}
+            print(
+                f"ws: scale column resident ({n * 8 / 2**20:.1f} MiB, loaded in {load_s * 1e3:.1f} ms)"
+            )
+            for k in ("w", "ws"):
+                want = t[f"{k}_built"].fetch(ids[1])
+                assert np.array_equal(t[k].fetch(ids[1]), want), k
             ref = t["w_built"].array()
             outs = {k: np.empty((BATCH, st.row_bytes), np.uint8) for k, st in t.items()}
 
@@ -178,43 +251,70 @@ def main() -> None:
                 st, out = t[k], outs[k]
 
                 def arm() -> float:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     for b in ids:
                         st.fetch_into(b, out)
+                    cpu.setdefault(k, []).append(BATCH * len(ids) / (time.thread_time() - c0))
                     return BATCH * len(ids) / (time.perf_counter() - t0)
 
                 return arm
 
             def take_ref() -> float:
                 out = outs["w_built"]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for b in ids:
                     np.take(ref, b, axis=0, out=out, mode="clip")
+                cpu.setdefault("np.take(built)", []).append(
+                    BATCH * len(ids) / (time.thread_time() - c0)
+                )
                 return BATCH * len(ids) / (time.perf_counter() - t0)
 
-            print(f"warm, {gib} GiB, batches of {BATCH} random ids (rows/s):")
+            # rows per CPU-second of the calling thread besides wall-clock rows/s: on a shared
+            # machine it leaves out the time this thread was not running (ENGRAMDB_GATHER_THREADS=1
+            # keeps every gather on the calling thread, so it counts all the work)
+            cpu: dict[str, list[float]] = {}
+            print(f"warm, {gib} GiB, batches of {BATCH} random ids, fetch_into (rows/s):")
             arms = {"np.take(built)": take_ref, **{k: warm(k) for k in t}}
             w = interleave(arms, reps)
             w["np.take(built) last"] = [take_ref()]
-
-            def cold(k: str) -> Any:
-                st, out = t[k], outs[k]
-
-                def arm() -> float:
-                    drop(list(t.values()))
-                    res = st.residency()
-                    assert res < 0.01, f"{k} still {res:.1%} resident"
-                    b = rng.integers(0, n, BATCH)
-                    t0 = time.perf_counter()
-                    st.fetch_into(b, out)
-                    return BATCH / (time.perf_counter() - t0)
-
-                return arm
-
-            print("cold (evicted, residency checked), one batch per rep (rows/s):")
-            c = interleave({k: cold(k) for k in t}, reps)
+            tables = {k: (st.db_path, st.name) for k, st in t.items()}
+        print(
+            "cold (fresh process per arm; own pages dropped, files evicted with "
+            "POSIX_FADV_DONTNEED, residency checked < 1 %), one batch per rep (rows/s):"
+        )
+        c: dict[str, list[float]] = {k: [] for k in tables}
+        extra: dict[str, list[dict[str, Any]]] = {k: [] for k in tables}
+        for r in range(reps):
+            order = list(tables) if r % 2 == 0 else list(tables)[::-1]
+            row = []
+            for k in order:
+                res = run_child(*tables[k], seed=100 + r)
+                assert res["residency"] < 0.01, f"{k} still {res['residency']:.1%} resident"
+                if k == "ws":
+                    assert res["resident"] == "ready", res
+                c[k].append(res["rows_per_s"])
+                extra[k].append(res)
+                row.append(f"{k}={res['rows_per_s'] / 1e6:.3f}M ({res['chosen']})")
+            print(f"  rep {r}: " + "  ".join(row))
+        loads = [e["resident_load_ms"] for e in extra["ws"]]
+        print(
+            f"  ws in each fresh process: scale column loaded in {median(loads):.1f} ms "
+            f"(median; before eviction, not in the timed batch)"
+        )
         doc["warm"] = w
+        doc["warm_cpu"] = cpu
+        print("warm, rows per CPU-second of the calling thread (medians):")
+        for k, v in cpu.items():
+            print(f"  {k}: {median(v) / 1e6:.3f} M")
+        for k in ("w", "ws"):
+            per = [x / y for x, y in zip(cpu[k], cpu[f"{k}_built"])]
+            doc.setdefault("per_rep_ratios", {})[f"warm cpu {k}"] = per
+            print(
+                f"  warm cpu {k} attached/built per rep: {' '.join(f'{x:.2f}' for x in per)}; "
+                f"of medians {median(cpu[k]) / median(cpu[f'{k}_built']):.2f}x"
+            )
         doc["cold"] = c
+        doc["cold_children"] = extra
         med = {f"warm {k}": median(v) for k, v in w.items()}
         med |= {f"cold {k}": median(v) for k, v in c.items()}
         print("medians:")
@@ -226,9 +326,14 @@ def main() -> None:
             for k in ("w", "ws")
         }
         ratios["warm w_built / np.take"] = med["warm w_built"] / med["warm np.take(built)"]
+        for mode, runs in (("warm", w), ("cold", c)):
+            for k in ("w", "ws"):
+                per = [x / y for x, y in zip(runs[k], runs[f"{k}_built"])]
+                doc.setdefault("per_rep_ratios", {})[f"{mode} {k}"] = per
+                print(f"  {mode} {k} attached/built per rep: " + " ".join(f"{x:.2f}" for x in per))
         doc["ratios"] = ratios
         doc["vm_hwm_mb"] = vm_hwm_mb()
-        print("ratios:")
+        print("ratios (of medians):")
         for k, v in ratios.items():
             print(f"  {k}: {v:.2f}x")
         s = doc["sparse"]

@@ -6,12 +6,22 @@ column's rows are *runs* of consecutive rows at byte offsets of source files (e.
 safetensors tensors concatenated along rows). Every source file is mapped whole, read-only,
 once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
 
-* Warm gathers: one ``np.take`` per column when a column is one run (a table that is one
-  run of one column — a single tensor — *is* a ``[n_rows, row_bytes]`` array, gathered
-  exactly like a built table); a column of many runs groups the ids by run with one sort
-  (a loop over runs, never over rows).
-* Cold reads: `plan` returns a `ReadPlan` with one read per (distinct row, column) at the
-  absolute file offset, so the syscall backends (preadv, io_uring, O_DIRECT widened to the
+* Warm gathers: a table that is one run of one column — a single tensor — *is* a
+  ``[n_rows, row_bytes]`` array, gathered exactly like a built table. Rows of several
+  columns are gathered in chunks of `CHUNK_ROWS` ids (a loop over chunks, never over rows):
+  per chunk one ``np.take`` per column into a reused per-thread buffer that stays in L2,
+  copied into the column's strided slice of the output (as uint64 words where aligned).
+  A column of many runs groups a chunk's ids by run with one sort (a loop over runs).
+* Resident narrow columns: every column but the widest that is at most a quarter of a row
+  (V4.1's 8 B scale of a 264 B row) is read sequentially into RAM once, in a background
+  thread started by the first read (or by `populate`, which waits for it), while the
+  process-wide budget allows (`resident_budget`: ``ENGRAMDB_ATTACH_RESIDENT`` bytes, ``0``
+  turns it off; default 1/16 of ``MemTotal``). Until it is loaded (or when it does not
+  fit, or the load fails) the column is read from its source like the others. Once loaded
+  a cold row costs one device read, like a built row.
+* Cold reads: `plan` returns a `ReadPlan` with one read per (distinct row, column not
+  resident) at the absolute file offset, and `fill_resident` writes the resident columns
+  into the assembled rows, so the syscall backends (preadv, io_uring, O_DIRECT widened to the
   file's alignment by the backend) read straight from the sources; a row's columns that are
   adjacent in one file are one read.
 * Truncation: `guard` ``fstat``s the files before every read and raises `TruncatedFile`
@@ -21,13 +31,16 @@ once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
 from __future__ import annotations
 
 import os
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from engramdb.errors import StoreClosed, TruncatedFile
-from engramdb.io.gather import take_rows
+from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, run_split
 from engramdb.io.mapping import (
     MADV_RANDOM,
     address_view,
@@ -37,15 +50,53 @@ from engramdb.io.mapping import (
     range_pages,
     unmap_range,
 )
+from engramdb.io.tiers import meminfo, parse_budget
 from engramdb.layouts.geometry import PAGE
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.plan import ReadPlan
 
-__all__ = ["SourceSegments"]
+__all__ = ["CHUNK_ROWS", "RESIDENT_ENV", "SourceSegments", "resident_budget"]
+
+#: Ids per chunk of a multi-column gather: 2048 rows of a 256 B column is 512 KiB (in L2).
+CHUNK_ROWS = 2048
+#: Bytes of resident narrow columns this process may hold (``0``: none).
+RESIDENT_ENV = "ENGRAMDB_ATTACH_RESIDENT"
+_LOAD_BYTES = 8 << 20  # one sequential pread of a resident column's load
+
+_budget_lock = threading.Lock()
+_resident_used = 0
+
+
+def resident_budget() -> int:
+    """Bytes of narrow columns all attached tables of this process may keep in RAM:
+    ``ENGRAMDB_ATTACH_RESIDENT`` (a size, e.g. ``"2G"``; ``0`` turns residency off) if set,
+    else 1/16 of ``MemTotal``."""
+    env = os.environ.get(RESIDENT_ENV, "").strip()
+    if env:
+        b = parse_budget(env, what=RESIDENT_ENV)
+        if b is not None:
+            return b
+    return meminfo().get("MemTotal", 0) // 16
+
+
+def _reserve(nbytes: int) -> bool:
+    global _resident_used
+    with _budget_lock:
+        if _resident_used + nbytes > resident_budget():
+            return False
+        _resident_used += nbytes
+        return True
+
+
+def _release(nbytes: int) -> None:
+    global _resident_used
+    with _budget_lock:
+        _resident_used = max(0, _resident_used - nbytes)
 
 
 class _Column:
-    """One column: its runs as arrays, with their first rows / files / offsets (int64)."""
+    """One column: its runs as arrays, with their first rows / files / offsets (int64), and
+    its RAM copy once resident."""
 
     def __init__(
         self,
@@ -62,15 +113,19 @@ class _Column:
         self.file = file
         self.offset = offset
         self.start = start  # byte offset of this column inside a row
+        #: ``[n_rows, width]`` RAM copy (a resident narrow column), or None.
+        self.resident: np.ndarray | None = None
 
     def runs_of(self, flat: np.ndarray) -> np.ndarray | None:
-        """The run of each id (None: the column is one run)."""
-        if len(self.arrays) == 1:
+        """The run of each id (None: the column is one run, or resident)."""
+        if len(self.arrays) == 1 or self.resident is not None:
             return None
         return np.searchsorted(self.first, flat, side="right") - 1
 
     def files_of(self, run: np.ndarray | None) -> list[int]:
-        """The files a batch with runs ``run`` touches."""
+        """The files a batch with runs ``run`` touches (none once resident)."""
+        if self.resident is not None:
+            return []
         if run is None:
             return [int(self.file[0])]
         return np.unique(self.file[run]).tolist()  # type: ignore[no-any-return]
@@ -78,8 +133,9 @@ class _Column:
     def take(self, flat: np.ndarray, out: np.ndarray, run: np.ndarray | None) -> None:
         """``out[i] = row flat[i]`` of this column (``out`` contiguous ``[n, width]``);
         ``run`` from `runs_of`."""
+        src = self.resident if self.resident is not None else self.arrays[0]
         if run is None:
-            take_rows(self.arrays[0], flat, out)
+            np.take(src, flat, axis=0, out=out, mode="clip")
             return
         order = np.argsort(run, kind="stable")
         counts = np.bincount(run, minlength=len(self.arrays))
@@ -88,7 +144,7 @@ class _Column:
         pos = 0
         for r in np.flatnonzero(counts):
             n = int(counts[r])
-            take_rows(self.arrays[r], sorted_ids[pos : pos + n], tmp[pos : pos + n])
+            np.take(self.arrays[r], sorted_ids[pos : pos + n], 0, tmp[pos : pos + n], "clip")
             pos += n
         out[order] = tmp
 
@@ -107,7 +163,8 @@ class SourceSegments:
 
     ``fds`` are its open descriptors in file order (checked by ``disk.files.open_sources``;
     the caller keeps ownership). Has the mapping surface `LocalTable` uses (`populate`,
-    `advise`, `residency`, `close`) plus `take`, `plan`, `where`, `guard` and `regions`."""
+    `advise`, `residency`, `close`) plus `take`, `plan`, `fill_resident`, `where`, `guard`
+    and `regions`."""
 
     def __init__(self, info: TableInfo, fds: list[int]):
         att = info.attached
@@ -158,6 +215,105 @@ class SourceSegments:
         )
         self._single_file = [int(one.file[0])]
         self.length = sum(self._sizes)
+        # Narrow columns worth keeping in RAM: all but the widest, each <= 1/4 of a row.
+        widest = max(range(len(self.columns)), key=lambda i: self.columns[i].width)
+        self._narrow = [
+            c
+            for i, c in enumerate(self.columns)
+            if i != widest and c.width * 4 <= self.row_bytes and self.n_rows > 0
+        ]
+        #: ``off`` (nothing to keep), ``idle``, ``loading``, ``ready``, or why not
+        #: (``over budget``, ``failed: ...``, ``closed``).
+        self.resident_state = "idle" if self._narrow else "off"
+        self.resident_bytes = 0
+        self.resident_seconds = 0.0
+        self._loader: threading.Thread | None = None
+        self._release: weakref.finalize | None = None  # type: ignore[type-arg]
+        self._load_lock = threading.Lock()
+        self._stop = False
+        self._split = SplitDecision()
+        self._bufs = threading.local()
+        #: One row as a structured dtype with a ``V{width}`` field per column.
+        self._row_dtype = np.dtype(
+            {
+                "names": [f"c{i}" for i in range(len(self.columns))],
+                "formats": [f"V{c.width}" for c in self.columns],
+                "offsets": [c.start for c in self.columns],
+                "itemsize": self.row_bytes,
+            }
+        )
+
+    # -- resident narrow columns ---------------------------------------------------------
+    def start_resident(self) -> None:
+        """Start loading the narrow columns into RAM in a background thread (once; nothing
+        when there are none or the budget is spent)."""
+        if self.resident_state != "idle":
+            return
+        with self._load_lock:
+            if self.resident_state != "idle":
+                return
+            need = sum(self.n_rows * c.width for c in self._narrow)
+            if not _reserve(need):
+                self.resident_state = f"over budget ({need} B > {resident_budget()} B left)"
+                return
+            self.resident_bytes = need
+            # returned at close, after a failed load, or when an unclosed table is collected
+            self._release = weakref.finalize(self, _release, need)
+            self.resident_state = "loading"
+            self._loader = threading.Thread(
+                target=self._load, name=f"engramdb-resident-{self.name}", daemon=True
+            )
+            self._loader.start()
+
+    def wait_resident(self, timeout: float | None = None) -> bool:
+        """Start the load if idle and wait for it; whether the narrow columns are resident."""
+        self.start_resident()
+        t = self._loader
+        if t is not None:
+            t.join(timeout)
+        return self.resident_state == "ready"
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            copies = []
+            for c in self._narrow:
+                arr = np.empty((self.n_rows, c.width), np.uint8)
+                flat = arr.reshape(-1)
+                for r in range(len(c.arrays)):
+                    lo = int(c.first[r]) * c.width
+                    n = c.arrays[r].shape[0] * c.width
+                    for o in range(0, n, _LOAD_BYTES):
+                        if self._stop:
+                            raise StoreClosed(f"table {self.name!r} is closed")
+                        m = min(_LOAD_BYTES, n - o)
+                        self._pread(int(c.file[r]), flat[lo + o : lo + o + m], int(c.offset[r]) + o)
+                copies.append(arr)
+        except Exception as e:  # the columns stay read from their sources (which guard)
+            if self._release is not None:
+                self._release()
+            self.resident_bytes = 0
+            self.resident_state = "closed" if self._stop else f"failed: {e}"
+            return
+        for c, arr in zip(self._narrow, copies):
+            c.resident = arr
+        self.resident_seconds = time.perf_counter() - t0
+        self.resident_state = "ready"
+
+    def fill_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
+        """Write the resident columns of validated ids ``flat`` into ``out2d`` (after the
+        reads of a `plan`, which leaves them out)."""
+        if self.resident_state != "ready":
+            return
+        n = flat.size
+        for c in self._narrow:
+            buf, res = self._buf(c.width), c.resident
+            assert res is not None
+            for a in range(0, n, CHUNK_ROWS):
+                b = min(n, a + CHUNK_ROWS)
+                t = buf[: b - a]
+                np.take(res, flat[a:b], axis=0, out=t, mode="clip")
+                out2d[a:b, c.start : c.start + c.width] = t
 
     # -- reads ------------------------------------------------------------------------------
     def guard(self, files: list[int] | None = None) -> None:
@@ -172,24 +328,74 @@ class SourceSegments:
                     f"({now} bytes, attached with {self._sizes[i]})"
                 )
 
+    def _buf(self, width: int, rows: int = CHUNK_ROWS, kind: str = "c") -> np.ndarray:
+        """This thread's reused ``[rows, width]`` gather buffer of ``kind`` (grown, never
+        shrunk: fresh allocations fault their pages in)."""
+        key = f"{kind}{width}"
+        b = getattr(self._bufs, key, None)
+        if b is None or b.shape[0] < rows:
+            b = np.empty((max(rows, CHUNK_ROWS), width), np.uint8)
+            setattr(self._bufs, key, b)
+        return b[:rows]  # type: ignore[no-any-return]
+
     def take(self, flat: np.ndarray, out2d: np.ndarray) -> None:
-        """Rows of validated ids from the mappings (one gather per column), after `guard`
-        of the files the batch touches."""
+        """Rows of validated ids from the mappings (and resident columns), after `guard` of
+        the files the batch touches: one gather per column and chunk (see the module
+        docstring); a large batch split across the gather pool while that pays."""
         if self.single is not None:
             self.guard(self._single_file)
-            take_rows(self.single, flat, out2d)
+            self._split.take(self.single, flat, out2d)
             return
+        self.start_resident()
         runs = [c.runs_of(flat) for c in self.columns]
         self.guard(sorted({f for c, r in zip(self.columns, runs) for f in c.files_of(r)}))
         if len(self.columns) == 1:
             self.columns[0].take(flat, out2d, runs[0])
             return
         n = flat.size
-        for c, r in zip(self.columns, runs):
-            # np.take into a strided slice of out is ~4x slower than into a contiguous buffer
-            part = np.empty((n, c.width), np.uint8)
-            c.take(flat, part, r)
-            out2d[:, c.start : c.start + c.width] = part
+
+        def part(lo: int, hi: int) -> None:
+            self._take_chunks(flat, out2d, runs, lo, hi)
+
+        if n * self.row_bytes < PARALLEL_MIN_BYTES:
+            part(0, n)
+            return
+        split = self._split.pick()
+        t0 = time.perf_counter()
+        if split:
+            run_split(part, n, min_items=2 * CHUNK_ROWS)
+        else:
+            part(0, n)
+        self._split.report(split, n, time.perf_counter() - t0)
+
+    def _take_chunks(
+        self,
+        flat: np.ndarray,
+        out2d: np.ndarray,
+        runs: list[np.ndarray | None],
+        lo: int,
+        hi: int,
+    ) -> None:
+        # Each column of ``out2d`` as a 1-D strided array of ``V{width}`` items: a copy into
+        # it is one memcpy per row (faster than a 2-D uint8 or uint64 copy).
+        fields = out2d.reshape(-1).view(self._row_dtype)
+        wide = []
+        for i, (c, r) in enumerate(zip(self.columns, runs)):
+            dst = fields[f"c{i}"]
+            if c.width * 4 <= self.row_bytes:
+                # a narrow column: one gather of the whole range (a small buffer), one copy
+                t = self._buf(c.width, hi - lo, "n")
+                c.take(flat[lo:hi], t, None if r is None else r[lo:hi])
+                dst[lo:hi] = t.reshape(-1).view(dst.dtype)
+            else:
+                wide.append((c, r, self._buf(c.width, CHUNK_ROWS), dst))
+        for a in range(lo, hi, CHUNK_ROWS):
+            b = min(hi, a + CHUNK_ROWS)
+            ids = flat[a:b]
+            for c, r, buf, dst in wide:
+                t = buf[: b - a]
+                c.take(ids, t, None if r is None else r[a:b])
+                dst[a:b] = t.reshape(-1).view(dst.dtype)
 
     def read_range(self, first: int, rows: int, out2d: np.ndarray) -> None:
         """Rows ``[first, first + rows)`` into ``out2d`` with long ``preadv`` calls (one per
@@ -228,9 +434,12 @@ class SourceSegments:
         return self.columns[0].where(ids)
 
     def plan(self, flat: np.ndarray) -> ReadPlan:
-        """Syscall reads for validated ids: per distinct id one read per column (columns
-        adjacent in one file merged), landing at ``i * row_bytes + column start`` of the
-        scratch, so `assemble` puts rows back as for a built table."""
+        """Syscall reads for validated ids: per distinct id one read per column not resident
+        (columns adjacent in one file merged), landing at ``i * row_bytes + column start``
+        of the scratch, so `assemble` puts rows back as for a built table; the caller then
+        calls `fill_resident` for the columns left out."""
+        self.start_resident()
+        ready = self.resident_state == "ready"  # stays so until close
         uniq, inverse = np.unique(flat, return_inverse=True)
         inverse = inverse.reshape(-1).astype(np.int64, copy=False)
         u = uniq.size
@@ -239,6 +448,8 @@ class SourceSegments:
         reads: list[list[np.ndarray]] = []  # [file, offset, length, dest] per read
         touched: set[int] = set()
         for c in self.columns:
+            if ready and c.resident is not None:
+                continue
             f, o = c.where(uniq)
             touched.update(np.unique(f).tolist())
             if reads:
@@ -267,17 +478,22 @@ class SourceSegments:
 
     # -- residency --------------------------------------------------------------------------
     def _ranges(self) -> list[tuple[int, int]]:
-        """Mapped (address, length) ranges of the rows' bytes, one per run."""
+        """Mapped (address, length) ranges of the rows' bytes read from the mappings (not
+        the resident columns), one per run."""
         out = []
         for c in self.columns:
+            if c.resident is not None:
+                continue
             for a in c.arrays:
                 if a.size:
                     out.append((a.ctypes.data, a.size))
         return out
 
     def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
-        """Fault the rows' pages in (``MADV_POPULATE_READ`` per 64 MiB, in threads)."""
+        """Load the resident columns (waits), then fault the other rows' pages in
+        (``MADV_POPULATE_READ`` per 64 MiB, in threads)."""
         self.guard()
+        self.wait_resident()
         chunk = 64 << 20
         work = [(a + o, min(chunk, n - o)) for a, n in self._ranges() for o in range(0, n, chunk)]
 
@@ -294,7 +510,8 @@ class SourceSegments:
             madvise(a, n, advice)
 
     def residency(self) -> float:
-        """Fraction of the rows' pages in the page cache (``mincore``)."""
+        """Fraction of the pages of the rows read from the mappings that are in the page
+        cache (``mincore``; resident columns are in RAM and not counted)."""
         if not self._maps:
             raise StoreClosed(f"table {self.name!r} is closed")
         total = hit = 0
@@ -305,8 +522,21 @@ class SourceSegments:
         return hit / total if total else 1.0
 
     def close(self) -> None:
+        self._stop = True
+        t = self._loader
+        if t is not None:
+            t.join()
+            self._loader = None
+        if self._release is not None:
+            self._release()  # once: a no-op after a failed load
+            self.resident_bytes = 0
+        if self.resident_state in ("idle", "ready", "loading"):
+            self.resident_state = "closed"
         maps, self._maps = self._maps, []
+        for c in self.columns:
+            c.resident = None
         self.columns = []
+        self._narrow = []
         self.single = None
         self.files = []
         for addr, span in maps:

@@ -365,6 +365,8 @@ class LocalTable(RowTable):
         scratch = self.scratch("reads", plan.scratch_bytes)
         chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
         assemble(plan, scratch, out2d)
+        if seg is not None:
+            seg.fill_resident(flat, out2d)  # attached: the columns kept in RAM, not read
         backend.feedback(chosen, n, time.perf_counter() - t0)
 
     def _take_mapped(
