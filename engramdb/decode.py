@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import InvalidArgument, ShapeMismatch
+from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
 from engramdb.io.residency import resident_count
 from engramdb.keygen import preset as keygen_preset
-from engramdb.read.prefetch import QUEUED, Ticket
+from engramdb.read.prefetch import DONE, QUEUED, Ticket
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.validate import check_output
@@ -159,6 +159,27 @@ class Decoder:
         self._single = self.batch is None and len(self.stores) == 1
         self._last_out: np.ndarray | None = None
         self._last_out2d: np.ndarray | None = None
+        # The resident fast path of `fill` (`_fill_direct`): per layer the mapped table (None:
+        # a RAM tier, several source columns, or not local), its read rule's mapped state, and
+        # whether its prefetches go to a RAM tier.
+        self._fill_key: tuple[np.ndarray, int | None, list[np.ndarray]] | None = None
+        self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
+        self._direct: list[np.ndarray | None] = []
+        self._mapped: list[Any] = []
+        self._guarded: list[bool] = []
+        self._pf_ram: list[bool] = []
+        for st in self._local:
+            tbl = None
+            if st is not None and st.cache is None:
+                try:
+                    tbl = st.array()
+                except EngramDBError:  # rows assembled from several source columns
+                    tbl = None
+            self._direct.append(tbl)
+            self._mapped.append(st.mapped_state if st is not None else None)
+            self._guarded.append(bool(st is not None and st.attached))
+            self._pf_ram.append(bool(st is not None and st.cache is not None))
+        self._guard_n = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -340,13 +361,30 @@ class Decoder:
             if layer is not None and layer != self.layers[0]:
                 raise InvalidArgument(f"layer {layer!r} is not the decoder's {self.layers}")
             return self._fill1(out, rows[0])
-        check_output(out, self.pending_shape)
+        key = self._fill_key
+        if key is None or key[0] is not out or key[1] != self._pending_t:
+            check_output(out, self.pending_shape)
+            # Per layer, ``out``'s slice shaped like the layer's rows + (row_bytes,): layer i
+            # of ``[..., L, H, rb]`` (a strided view when there are several layers).
+            if len(self.stores) == 1:
+                shaped = [out]
+            else:
+                lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
+                shaped = [out[lead + (i,)] for i in range(len(self.stores))]
+            key = self._fill_key = (out, self._pending_t, shaped)
         if layer is None:
-            which = range(len(self.stores))
-        elif layer in self.layers:
-            which = range(self.layers.index(layer), self.layers.index(layer) + 1)
+            which: range | tuple[int] = range(len(self.stores))
         else:
-            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
+            j = self._slot_of.get(layer) if type(layer) is int else None
+            if j is None:
+                if layer not in self.layers:
+                    raise InvalidArgument(
+                        f"layer {layer!r} is not one of the decoder's {self.layers}"
+                    )
+                j = self.layers.index(layer)
+            which = (j,)
+        if self._fill_direct(out, rows, which, key[2]):
+            return out
         n_layers = len(self.stores)
         if n_layers == 1:
             views = [out.reshape(-1, self.row_bytes)]
@@ -394,6 +432,49 @@ class Decoder:
             if not contiguous:
                 v[...] = dest.reshape(v.shape)
         return out
+
+    def _fill_direct(
+        self,
+        out: np.ndarray,
+        rows: list[np.ndarray],
+        which: range | tuple[int],
+        shaped: list[np.ndarray],
+    ) -> bool:
+        """The resident fast path of `fill`: each layer's rows in one ``np.take`` from the
+        mapping straight into its (possibly strided) slice of ``out``, when every layer asked
+        for is a single mapped array without a RAM tier, and its rows are resident (a
+        finished page-cache prefetch, or no prefetch while its read rule serves it from the
+        mapping). False (nothing written) otherwise: the general path reads."""
+        tables = self._direct
+        for i in which:
+            tbl = tables[i]
+            if tbl is None:
+                return False
+            t = self._tickets[i]
+            if t is None:
+                if not self._mapped[i]():
+                    return False
+            elif t.state != DONE or self._pf_ram[i]:
+                return False
+        pc = time.perf_counter
+        for i in which:
+            r = rows[i]
+            self.filled_rows[i], self.filled_out[i] = r, out
+            t = self._tickets[i]
+            self._tickets[i] = None
+            tbl = tables[i]
+            assert tbl is not None
+            if self._guarded[i]:
+                self._guard_n += 1
+                if not self._guard_n & 63:  # attached sources: the truncation check
+                    tbl = self.stores[i].array()  # type: ignore[attr-defined]
+            t0 = pc()
+            tbl.take(r, 0, shaped[i], "clip")
+            if t is None:  # not prefetched: a slow gather (faults) goes to the read rule
+                dt = pc() - t0
+                if dt > 10e-6 * r.size:  # major faults (minor ones: a fresh mapping)
+                    self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
+        return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:
         """`push` then `fill` at once (no overlap: for engines that read right away)."""
