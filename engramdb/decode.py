@@ -33,7 +33,7 @@ import numpy as np
 from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
 from engramdb.io.residency import resident_count
 from engramdb.keygen import preset as keygen_preset
-from engramdb.read.prefetch import DONE, QUEUED, Ticket
+from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.validate import check_output
@@ -142,6 +142,10 @@ class Decoder:
             s is not None and s.backend_name == "auto" and s.cache is None for s in self._local
         ]
         self._auto_was_mapped = [False] * len(self.stores)
+        #: Seconds prefetch stays on after a fill through the mapping faulted (a resident
+        #: table whose mapping this process has not populated: faults cost more than reads).
+        self.auto_fault_s = 1.0
+        self._auto_fault_until = [-float("inf")] * len(self.stores)
         self.auto_checks = 0
         self.auto_switches = 0
         self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
@@ -160,14 +164,12 @@ class Decoder:
         self._last_out: np.ndarray | None = None
         self._last_out2d: np.ndarray | None = None
         # The resident fast path of `fill` (`_fill_direct`): per layer the mapped table (None:
-        # a RAM tier, several source columns, or not local), its read rule's mapped state, and
-        # whether its prefetches go to a RAM tier.
+        # a RAM tier, several source columns, or not local) and its read rule's mapped state.
         self._fill_key: tuple[np.ndarray, int | None, list[np.ndarray]] | None = None
         self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
         self._direct: list[np.ndarray | None] = []
         self._mapped: list[Any] = []
         self._guarded: list[bool] = []
-        self._pf_ram: list[bool] = []
         for st in self._local:
             tbl = None
             if st is not None and st.cache is None:
@@ -178,8 +180,12 @@ class Decoder:
             self._direct.append(tbl)
             self._mapped.append(st.mapped_state if st is not None else None)
             self._guarded.append(bool(st is not None and st.attached))
-            self._pf_ram.append(bool(st is not None and st.cache is not None))
         self._guard_n = 0
+        #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
+        #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
+        #: ticket: no mapping, no page faults).
+        self.direct_fills = 0
+        self.kept_fills = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -234,6 +240,11 @@ class Decoder:
             return not store.mapped_state()
         on = self._auto_on[i]
         now = time.monotonic()
+        if now < self._auto_fault_until[i]:  # fills through the mapping fault: prefetch
+            if on is False:
+                self.auto_switches += 1
+            self._auto_on[i] = True
+            return True
         # While off, the read rule's view of the fills is a hint to look again now: a slow
         # gather (it suspects faults, or a busy machine) or misses that made it leave its
         # mapped state. The decision itself always comes from the rows just hashed.
@@ -260,7 +271,7 @@ class Decoder:
         store = self._local[i]
         if self._want(i, store, flat):
             assert store is not None
-            self._tickets[i] = store.prefetcher.submit_trusted(flat)
+            self._tickets[i] = store.prefetcher.submit_trusted(flat, keep_rows=True)
             self.prefetched += 1
         else:
             self._tickets[i] = None
@@ -341,7 +352,9 @@ class Decoder:
             store.gather_small(r, out2d)
         else:
             t.wait()  # raises a failed prefetch's error
-            if store.prefetcher.target == "page_cache":
+            if take_kept(t, r, out2d):
+                self.kept_fills += 1
+            elif store.prefetcher.target == "page_cache":
                 store.gather_resident(r, out2d)
             else:
                 store.gather_small(r, out2d)
@@ -401,6 +414,9 @@ class Decoder:
                 self._tickets[i] = None
                 if not t.cancel():  # running or finished: wait for it (raises its error)
                     t.wait()
+                    if take_kept(t, rows[i], key[2][i]):  # the rows it read, no mapping
+                        self.kept_fills += 1
+                        continue
                     # Read into the page cache with page-table entries installed: gather from
                     # the mapping (the store's cold rule might re-read them O_DIRECT).
                     assert store is not None
@@ -448,13 +464,11 @@ class Decoder:
         tables = self._direct
         for i in which:
             tbl = tables[i]
-            if tbl is None:
-                return False
             t = self._tickets[i]
             if t is None:
-                if not self._mapped[i]():
+                if tbl is None or not self._mapped[i]():
                     return False
-            elif t.state != DONE or self._pf_ram[i]:
+            elif t.state != DONE or t.rows is None:
                 return False
         pc = time.perf_counter
         for i in which:
@@ -462,6 +476,10 @@ class Decoder:
             self.filled_rows[i], self.filled_out[i] = r, out
             t = self._tickets[i]
             self._tickets[i] = None
+            if t is not None:  # the rows the prefetch read (kept on the ticket)
+                take_kept(t, r, shaped[i])
+                self.kept_fills += 1
+                continue
             tbl = tables[i]
             assert tbl is not None
             if self._guarded[i]:
@@ -470,10 +488,13 @@ class Decoder:
                     tbl = self.stores[i].array()  # type: ignore[attr-defined]
             t0 = pc()
             tbl.take(r, 0, shaped[i], "clip")
-            if t is None:  # not prefetched: a slow gather (faults) goes to the read rule
-                dt = pc() - t0
-                if dt > 10e-6 * r.size:  # major faults (minor ones: a fresh mapping)
-                    self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
+            self.direct_fills += 1
+            dt = pc() - t0
+            if dt > 10e-6 * r.size:  # faults: a cold table, or a mapping not populated yet
+                self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
+                # prefetch for a while: the worker reads the rows (from the page cache when
+                # resident) and fills copy them, so this thread takes no faults
+                self._auto_fault_until[i] = time.monotonic() + self.auto_fault_s
         return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:

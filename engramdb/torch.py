@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidArgument, InvalidDtype, MissingDependency
+from engramdb.read.prefetch import take_kept
 from engramdb.rowcodec import RowCodec, codec_for
 from engramdb.table_api import RowTable
 
@@ -142,10 +143,19 @@ _GUARD_EVERY_MASK = 63  # attached sources: the truncation check every 64 reside
 class _Hot:
     """A `DiskMultiHeadEmbedding`'s per-call state and counters (a plain object)."""
 
-    __slots__ = ("mapped", "prefetched", "read", "prefetches", "ticket", "ticket_ids", "view_cache")
+    __slots__ = (
+        "mapped",
+        "prefetched",
+        "read",
+        "prefetches",
+        "from_prefetch",
+        "ticket",
+        "ticket_ids",
+        "view_cache",
+    )
 
     def __init__(self) -> None:
-        self.mapped = self.prefetched = self.read = self.prefetches = 0
+        self.mapped = self.prefetched = self.read = self.prefetches = self.from_prefetch = 0
         self.ticket: Any = None
         self.ticket_ids: np.ndarray | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
@@ -249,6 +259,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         return self._hot.read
 
     @property
+    def served_from_prefetch(self) -> int:
+        """Forwards served from the rows a `prefetch` read (no mapping, no read)."""
+        return self._hot.from_prefetch
+
+    @property
     def prefetches(self) -> int:
         """`prefetch` calls that started a background read."""
         return self._hot.prefetches
@@ -279,7 +294,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         old = hot.ticket
         if old is not None:
             old.cancel()
-        hot.ticket = pf.submit_trusted(flat)
+        hot.ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket_ids = flat
         hot.prefetches += 1
         return True
@@ -296,6 +311,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if t.cancel():  # still queued: read here
             return False
         t.wait()  # raises a failed prefetch's error
+        if take_kept(t, flat, dest):  # the rows the prefetch read: no mapping faults
+            hot.from_prefetch += 1
+            return True
         store: Any = self.store
         if store.prefetcher.target != "page_cache":
             return False  # rows went to the RAM tier: the normal path finds them there

@@ -262,7 +262,7 @@ def child(args: argparse.Namespace) -> None:
     from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
 
     root = Path(args.root)
-    kind = args.child.split(":", 1)[1] if ":" in args.child else args.child
+    state, _, kind = args.child.partition(":") if ":" in args.child else ("", "", args.child)
     b = args.batch
     cfg = engram_config(args)
     h = keygen.hasher("engram-peft", cfg)
@@ -287,6 +287,9 @@ def child(args: argparse.Namespace) -> None:
         for lay in ENGRAM_AFTER:
             mods[lay] = DiskMultiHeadEmbedding(stores[lay])
             model.set_table(lay, mods[lay])
+    if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
+        for st in stores.values():
+            st.populate()
     prefetch_module = kind == "module+pf"
     offs = {lay: h.offsets(lay) for lay in ENGRAM_AFTER}
     bufs: dict[str, np.ndarray] = {}
@@ -447,7 +450,7 @@ def spawn(args: argparse.Namespace, root: Path, arm: str, b: int) -> dict[str, A
     state = arm.split(":")[0]
     if state == "cold":
         evict_tables(root)
-    elif state == "warm":
+    elif state.startswith("warm"):
         warm_tables(root)
     cmd = [sys.executable, __file__, "--child", arm, "--batch", str(b), "--root", str(root)]
     for k in ("table_gb", "steps", "hidden", "blocks", "vocab", "prompt", "train_tokens"):

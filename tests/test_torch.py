@@ -335,7 +335,7 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
             if t % 2:
                 m._hot.ticket.wait()  # read in the background: the forward gathers it
             assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
-        assert m.prefetches == 9 and db["l1"].counters()["prefetched_gathers"] >= 1
+        assert m.prefetches == 9 and m.served_from_prefetch >= 4  # the waited-for ones
         # a prefetch of other ids is dropped, the forward still reads the right rows
         ids = torch.from_numpy(h.local_ids(toks, layer=1)[:, -1:].copy())
         m.prefetch(ids + 1)
