@@ -73,6 +73,10 @@ class Decoder:
     they read from the mapping directly and do not move the read rule. ``auto_checks`` /
     ``auto_switches`` count the checks and the decisions that changed.
 
+    Prefetches keep the rows they read (``keep_rows``): `fill` copies them from there
+    (``kept_fills``), so neither thread faults on a mapping this process has not populated;
+    a fill through the mapping that faulted keeps ``auto`` prefetching for ``auto_fault_s``.
+
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
     """
