@@ -71,6 +71,7 @@ def info_cmd(db: str, as_json: bool, memory: bool, page_cache_budget: str | None
             click.echo(f"    {path} ({format_bytes(n)})")
 
 
+
 def _memory(db: str, as_json: bool, budget: str | None) -> None:
     with Database(db, page_cache_budget=budget, background_warm=False) as d:
         docs = {name: d[name].memory() for name in d.tables}

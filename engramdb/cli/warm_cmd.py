@@ -100,7 +100,9 @@ def warm_cmd(
             return
         total = sum(d[n].nbytes for n in names)
         with progress_bar(quiet, "warming", total) as bar:
-            summaries = warm_tables(d, names, threads=threads, progress=bar.update, verify=verify)
+            summaries = warm_tables(
+                d, names, threads=threads, progress=bar.update, verify=verify
+            )
         echo_summaries(summaries)
         if lock or watch:
             budget = parse_size(lock_budget) if lock_budget is not None else None
