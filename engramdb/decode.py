@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import InvalidArgument, ShapeMismatch
+from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
 from engramdb.io.residency import resident_count
 from engramdb.keygen.presets import preset_for_table, table_record
-from engramdb.read.prefetch import QUEUED, Ticket
+from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.validate import check_output
@@ -72,6 +72,10 @@ class Decoder:
     check, not a switch). Its own prefetched fills never count:
     they read from the mapping directly and do not move the read rule. ``auto_checks`` /
     ``auto_switches`` count the checks and the decisions that changed.
+
+    Prefetches keep the rows they read (``keep_rows``): `fill` copies them from there
+    (``kept_fills``), so neither thread faults on a mapping this process has not populated;
+    a fill through the mapping that faulted keeps ``auto`` prefetching for ``auto_fault_s``.
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
@@ -143,6 +147,10 @@ class Decoder:
             s is not None and s.backend_name == "auto" and s.cache is None for s in self._local
         ]
         self._auto_was_mapped = [False] * len(self.stores)
+        #: Seconds prefetch stays on after a fill through the mapping faulted (a resident
+        #: table whose mapping this process has not populated: faults cost more than reads).
+        self.auto_fault_s = 1.0
+        self._auto_fault_until = [-float("inf")] * len(self.stores)
         self.auto_checks = 0
         self.auto_switches = 0
         self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
@@ -160,6 +168,29 @@ class Decoder:
         self._single = self.batch is None and len(self.stores) == 1
         self._last_out: np.ndarray | None = None
         self._last_out2d: np.ndarray | None = None
+        # The resident fast path of `fill` (`_fill_direct`): per layer the mapped table (None:
+        # a RAM tier, several source columns, or not local) and its read rule's mapped state.
+        self._fill_key: tuple[np.ndarray, int | None, list[np.ndarray]] | None = None
+        self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
+        self._direct: list[np.ndarray | None] = []
+        self._mapped: list[Any] = []
+        self._guarded: list[bool] = []
+        for st in self._local:
+            tbl = None
+            if st is not None and st.cache is None:
+                try:
+                    tbl = st.array()
+                except EngramDBError:  # rows assembled from several source columns
+                    tbl = None
+            self._direct.append(tbl)
+            self._mapped.append(st.mapped_state if st is not None else None)
+            self._guarded.append(bool(st is not None and st.attached))
+        self._guard_n = 0
+        #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
+        #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
+        #: ticket: no mapping, no page faults).
+        self.direct_fills = 0
+        self.kept_fills = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -214,6 +245,11 @@ class Decoder:
             return not store.mapped_state()
         on = self._auto_on[i]
         now = time.monotonic()
+        if now < self._auto_fault_until[i]:  # fills through the mapping fault: prefetch
+            if on is False:
+                self.auto_switches += 1
+            self._auto_on[i] = True
+            return True
         # While off, the read rule's view of the fills is a hint to look again now: a slow
         # gather (it suspects faults, or a busy machine) or misses that made it leave its
         # mapped state. The decision itself always comes from the rows just hashed.
@@ -240,7 +276,7 @@ class Decoder:
         store = self._local[i]
         if self._want(i, store, flat):
             assert store is not None
-            self._tickets[i] = store.prefetcher.submit_trusted(flat)
+            self._tickets[i] = store.prefetcher.submit_trusted(flat, keep_rows=True)
             self.prefetched += 1
         else:
             self._tickets[i] = None
@@ -328,7 +364,9 @@ class Decoder:
             store.gather_small(r, out2d)
         else:
             t.wait()  # raises a failed prefetch's error
-            if store.prefetcher.target == "page_cache":
+            if take_kept(t, r, out2d):
+                self.kept_fills += 1
+            elif store.prefetcher.target == "page_cache":
                 store.gather_resident(r, out2d)
             else:
                 store.gather_small(r, out2d)
@@ -348,13 +386,30 @@ class Decoder:
             if layer is not None and layer != self.layers[0]:
                 raise InvalidArgument(f"layer {layer!r} is not the decoder's {self.layers}")
             return self._fill1(out, rows[0])
-        check_output(out, self.pending_shape)
+        key = self._fill_key
+        if key is None or key[0] is not out or key[1] != self._pending_t:
+            check_output(out, self.pending_shape)
+            # Per layer, ``out``'s slice shaped like the layer's rows + (row_bytes,): layer i
+            # of ``[..., L, H, rb]`` (a strided view when there are several layers).
+            if len(self.stores) == 1:
+                shaped = [out]
+            else:
+                lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
+                shaped = [out[lead + (i,)] for i in range(len(self.stores))]
+            key = self._fill_key = (out, self._pending_t, shaped)
         if layer is None:
-            which = range(len(self.stores))
-        elif layer in self.layers:
-            which = range(self.layers.index(layer), self.layers.index(layer) + 1)
+            which: range | tuple[int] = range(len(self.stores))
         else:
-            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
+            j = self._slot_of.get(layer) if type(layer) is int else None
+            if j is None:
+                if layer not in self.layers:
+                    raise InvalidArgument(
+                        f"layer {layer!r} is not one of the decoder's {self.layers}"
+                    )
+                j = self.layers.index(layer)
+            which = (j,)
+        if self._fill_direct(out, rows, which, key[2]):
+            return out
         n_layers = len(self.stores)
         if n_layers == 1:
             views = [out.reshape(-1, self.row_bytes)]
@@ -371,6 +426,9 @@ class Decoder:
                 self._tickets[i] = None
                 if not t.cancel():  # running or finished: wait for it (raises its error)
                     t.wait()
+                    if take_kept(t, rows[i], key[2][i]):  # the rows it read, no mapping
+                        self.kept_fills += 1
+                        continue
                     # Read into the page cache with page-table entries installed: gather from
                     # the mapping (the store's cold rule might re-read them O_DIRECT).
                     assert store is not None
@@ -402,6 +460,54 @@ class Decoder:
             if not contiguous:
                 v[...] = dest.reshape(v.shape)
         return out
+
+    def _fill_direct(
+        self,
+        out: np.ndarray,
+        rows: list[np.ndarray],
+        which: range | tuple[int],
+        shaped: list[np.ndarray],
+    ) -> bool:
+        """The resident fast path of `fill`: each layer's rows in one ``np.take`` from the
+        mapping straight into its (possibly strided) slice of ``out``, when every layer asked
+        for is a single mapped array without a RAM tier, and its rows are resident (a
+        finished page-cache prefetch, or no prefetch while its read rule serves it from the
+        mapping). False (nothing written) otherwise: the general path reads."""
+        tables = self._direct
+        for i in which:
+            tbl = tables[i]
+            t = self._tickets[i]
+            if t is None:
+                if tbl is None or not self._mapped[i]():
+                    return False
+            elif t.state != DONE or t.rows is None:
+                return False
+        pc = time.perf_counter
+        for i in which:
+            r = rows[i]
+            self.filled_rows[i], self.filled_out[i] = r, out
+            t = self._tickets[i]
+            self._tickets[i] = None
+            if t is not None:  # the rows the prefetch read (kept on the ticket)
+                take_kept(t, r, shaped[i])
+                self.kept_fills += 1
+                continue
+            tbl = tables[i]
+            assert tbl is not None
+            if self._guarded[i]:
+                self._guard_n += 1
+                if not self._guard_n & 63:  # attached sources: the truncation check
+                    tbl = self.stores[i].array()  # type: ignore[attr-defined]
+            t0 = pc()
+            tbl.take(r, 0, shaped[i], "clip")
+            self.direct_fills += 1
+            dt = pc() - t0
+            if dt > 10e-6 * r.size:  # faults: a cold table, or a mapping not populated yet
+                self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
+                # prefetch for a while: the worker reads the rows (from the page cache when
+                # resident) and fills copy them, so this thread takes no faults
+                self._auto_fault_until[i] = time.monotonic() + self.auto_fault_s
+        return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:
         """`push` then `fill` at once (no overlap: for engines that read right away)."""

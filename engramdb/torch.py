@@ -10,11 +10,13 @@ E8M0 block scales is dequantised. No gradients: the table is read-only.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from engramdb.errors import InvalidArgument, InvalidDtype, MissingDependency
+from engramdb.read.prefetch import take_kept
 from engramdb.rowcodec import RowCodec, codec_for
 from engramdb.table_api import RowTable
 
@@ -135,6 +137,30 @@ class DiskEmbedding(_DiskTable):
         )
 
 
+_GUARD_EVERY_MASK = 63  # attached sources: the truncation check every 64 resident gathers
+
+
+class _Hot:
+    """A `DiskMultiHeadEmbedding`'s per-call state and counters (a plain object)."""
+
+    __slots__ = (
+        "mapped",
+        "prefetched",
+        "read",
+        "prefetches",
+        "from_prefetch",
+        "ticket",
+        "ticket_ids",
+        "view_cache",
+    )
+
+    def __init__(self) -> None:
+        self.mapped = self.prefetched = self.read = self.prefetches = self.from_prefetch = 0
+        self.ticket: Any = None
+        self.ticket_ids: np.ndarray | None = None
+        self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
+
+
 class DiskMultiHeadEmbedding(_DiskTable):
     """Per-head lookup: int64 local ids ``[B, L, H]`` → ``[B, L, H, dim]``.
 
@@ -194,9 +220,115 @@ class DiskMultiHeadEmbedding(_DiskTable):
         # The trusted small gather of a local table (duck-typed: any table offering it).
         small = getattr(store, "gather_small", None)
         self._small = small if callable(small) and store.n_heads == len(store.heads) else None
-        self._view_cache: tuple[Any, torch.Tensor] | None = None
-        self.served_prefetched = 0
-        self.served_read = 0
+        # The resident fast path: a local table without a RAM tier whose rows are one mapped
+        # array (built, or attached from one source run): one ``np.take`` from the mapping
+        # while the table's read rule serves it from there (`mapped_state`).
+        self._mapped_ok: Any = getattr(store, "mapped_state", None)
+        self._table_np: np.ndarray | None = None
+        self._guarded = bool(getattr(store, "attached", False))
+        if (
+            self._small is not None
+            and callable(self._mapped_ok)
+            and getattr(store, "cache", None) is None
+        ):
+            try:
+                self._table_np = store.array()  # type: ignore[attr-defined]
+            except Exception:  # several source columns: not one array
+                self._table_np = None
+        # per row: a slower mapped gather (a major fault, not the minor faults of a mapping
+        # that is not populated yet) is reported to the read rule
+        self._slow_s = 10e-6
+        self._value_dtype = self._decode.value_dtype if self._decode.is_view else None
+        self._fast = self._table_np is not None and decoder is None
+        # Per-call state in a plain object: ``nn.Module.__setattr__`` costs microseconds.
+        self._hot = _Hot()
+
+    @property
+    def served_mapped(self) -> int:
+        """Forwards served by the resident fast path (one gather from the mapping)."""
+        return self._hot.mapped
+
+    @property
+    def served_prefetched(self) -> int:
+        """Forwards served from the decoder's fill buffer (no copy)."""
+        return self._hot.prefetched
+
+    @property
+    def served_read(self) -> int:
+        """Forwards with a decoder whose ids did not match its fill (read synchronously)."""
+        return self._hot.read
+
+    @property
+    def served_from_prefetch(self) -> int:
+        """Forwards served from the rows a `prefetch` read (no mapping, no read)."""
+        return self._hot.from_prefetch
+
+    @property
+    def prefetches(self) -> int:
+        """`prefetch` calls that started a background read."""
+        return self._hot.prefetches
+
+    def _global(self, local_ids: Any) -> np.ndarray | None:
+        """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: not in range,
+        or a shape the fast path does not take)."""
+        ids = self._as_ids(local_ids)
+        if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
+            return None
+        u = ids.view(np.uint64)  # negative ids become huge: one comparison checks both ends
+        if not (u.max(initial=0) < self._min_head or (u < self._heads_u64).all()):
+            return None
+        return np.add(ids, self._offsets_np).reshape(-1)
+
+    def prefetch(self, local_ids: Any) -> bool:
+        """Start a background read of the rows of ``local_ids`` ``[B, L, H]`` (a later
+        forward of the same ids waits only for reads still in flight, then gathers them from
+        the mapping). Call it as soon as the ids are known (right after sampling and hashing)
+        so the read overlaps the layers before this one. Returns False (nothing started) for
+        a table without a prefetcher or ids that are out of range (the forward then raises).
+        A second call replaces a pending one."""
+        pf = getattr(self.store, "prefetcher", None)
+        flat = self._global(local_ids)
+        if pf is None or flat is None:
+            return False
+        hot = self._hot
+        old = hot.ticket
+        if old is not None:
+            old.cancel()
+        hot.ticket = pf.submit_trusted(flat, keep_rows=True)
+        hot.ticket_ids = flat
+        hot.prefetches += 1
+        return True
+
+    def _take_ticket(self, flat: np.ndarray, dest: np.ndarray) -> bool:
+        """Serve ``flat`` from the pending `prefetch` when it asked for exactly these rows."""
+        hot = self._hot
+        t, want = hot.ticket, hot.ticket_ids
+        hot.ticket = hot.ticket_ids = None
+        if want is None or want.size != flat.size or not np.array_equal(want, flat):
+            if t is not None:
+                t.cancel()
+            return False
+        if t.cancel():  # still queued: read here
+            return False
+        t.wait()  # raises a failed prefetch's error
+        if take_kept(t, flat, dest):  # the rows the prefetch read: no mapping faults
+            hot.from_prefetch += 1
+            return True
+        store: Any = self.store
+        if store.prefetcher.target != "page_cache":
+            return False  # rows went to the RAM tier: the normal path finds them there
+        store.gather_resident(flat, dest)
+        return True
+
+    @staticmethod
+    def _as_ids(local_ids: Any) -> np.ndarray:
+        if type(local_ids) is torch.Tensor and local_ids.dtype is torch.int64:
+            t = local_ids if local_ids.device.type == "cpu" else local_ids.cpu()
+            return t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+        ids = _ids_to_numpy(local_ids)
+        if ids.dtype != np.int64:
+            ids = ids.astype(np.int64)
+        return np.ascontiguousarray(ids)
 
     def _prefetched(self, ids: np.ndarray) -> torch.Tensor | None:
         """A view of the decoder's last fill if it holds exactly the rows of ``ids``."""
@@ -206,12 +338,14 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if want is None or out is None or want.size != ids.size:
             return None
         h = self._n_heads
-        glob = ids.reshape(-1, h) + self._offsets_np
-        if not np.array_equal(glob, want.reshape(-1, h)):
+        # ids verified: every one equals the row the decoder filled (one pass, no copy)
+        if not (ids.reshape(want.shape) + self._offsets_np == want).all():
             return None
-        cached = self._view_cache
+        cached = self._hot.view_cache
         if cached is not None and cached[0] is out:
             view = cached[1]
+            if cached[2] == ids.shape:
+                return cached[3]
         else:
             n_layers = len(dec.layers)
             raw = torch.from_numpy(out).view(-1, n_layers, h, self._rb)[:, self._slot]
@@ -220,24 +354,60 @@ class DiskMultiHeadEmbedding(_DiskTable):
                     vals = self._decode(raw.reshape(-1, self._rb))
                 return vals.view(*ids.shape, self.codec.dim)
             view = raw.view(self._decode.value_dtype)  # [N, H, dim]: strided, no copy
-            self._view_cache = (out, view)
-        return view.view(*ids.shape, self.codec.dim)
+        shaped = view.view(*ids.shape, self.codec.dim)
+        self._hot.view_cache = (out, view, ids.shape, shaped)
+        return shaped
+
+    def _take_resident(self, ids: np.ndarray) -> torch.Tensor:
+        """Validated local ids ``[B, L, H]`` of a resident table: one gather from the mapping
+        into the output's bytes (a slow one, which may have faulted, is reported to the read
+        rule)."""
+        tbl = self._table_np
+        hot = self._hot
+        hot.mapped += 1
+        if self._guarded and not hot.mapped & _GUARD_EVERY_MASK:
+            tbl = self.store.array()  # type: ignore[attr-defined]  # source truncation check
+        assert tbl is not None
+        raw_np = np.empty((*ids.shape, self._rb), dtype=np.uint8)
+        flat = ids + self._offsets_np
+        pc = time.perf_counter
+        t0 = pc()
+        tbl.take(flat, 0, raw_np, "clip")
+        dt = pc() - t0
+        if dt > self._slow_s * flat.size:
+            self.store.note_mapped_gather(flat.size, dt)  # type: ignore[attr-defined]
+        vd = self._value_dtype
+        if vd is not None:
+            return torch.from_numpy(raw_np).view(vd)  # [B, L, H, dim], no copy
+        with torch.no_grad():
+            raw = torch.from_numpy(raw_np).view(-1, self._rb)
+            return self._decode(raw).view(*ids.shape, self.codec.dim)
 
     def forward(self, local_ids: Any) -> torch.Tensor:
-        if type(local_ids) is torch.Tensor and local_ids.dtype is torch.int64:
-            t = local_ids if local_ids.device.type == "cpu" else local_ids.cpu()
-            ids = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+        if (
+            self._fast
+            and type(local_ids) is torch.Tensor
+            and local_ids.dtype is torch.int64
+            and local_ids.is_cpu
+            and local_ids.dim() == 3
+        ):
+            ids = local_ids.numpy()
+            if (
+                ids.shape[2] == self._n_heads
+                and self._hot.ticket_ids is None
+                and self._mapped_ok()
+                and (ids.view(np.uint64) < self._heads_u64).all()  # negative ids: huge
+            ):
+                return self._take_resident(ids)
         else:
-            ids = _ids_to_numpy(local_ids)
-            if ids.dtype != np.int64:
-                ids = ids.astype(np.int64)
-            ids = np.ascontiguousarray(ids)
+            ids = self._as_ids(local_ids)
+        ids = np.ascontiguousarray(ids)
         if self.decoder is not None and ids.ndim >= 1 and ids.shape[-1] == self._n_heads:
             hit = self._prefetched(ids)
             if hit is not None:
-                self.served_prefetched += 1
+                self._hot.prefetched += 1
                 return hit
-            self.served_read += 1
+            self._hot.read += 1
         small = self._small
         h = self._n_heads
         if small is not None and ids.ndim == 3 and ids.shape[-1] == h:
@@ -247,7 +417,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 # mapping while resident, the read rule otherwise), into the output's bytes.
                 flat = np.add(ids, self._offsets_np).reshape(-1)
                 raw_np = np.empty((*ids.shape, self._rb), dtype=np.uint8)
-                small(flat, raw_np.reshape(-1, self._rb))
+                dest = raw_np.reshape(-1, self._rb)
+                if self._hot.ticket_ids is None or not self._take_ticket(flat, dest):
+                    small(flat, dest)
                 raw = torch.from_numpy(raw_np)
                 if self._decode.is_view:
                     return raw.view(self._decode.value_dtype)  # [B, L, H, dim], no copy

@@ -170,13 +170,13 @@ def test_auto_keeps_prefetching_a_cold_table_despite_its_own_prefetches(
         out = np.empty(dec.out_shape, np.uint8)
         served = 0
         for t in range(n):
-            g0 = stores[2].counters()["prefetched_gathers"]
+            g0 = dec.kept_fills
             dec.push(toks[:, t] if batch else int(toks[0, t]))
             dec.fill(out)
             for i, lay in enumerate((2, 5)):
                 want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]
                 assert np.array_equal(out[:, i] if batch else out[i], want if batch else want[0])
-            if stores[2].counters()["prefetched_gathers"] > g0:
+            if dec.kept_fills > g0:
                 # Served from its prefetch: those rows are resident now, so sampling them (what
                 # the read rule's sample did) would call the table resident.
                 rows = dec.filled_rows[0]
@@ -188,7 +188,7 @@ def test_auto_keeps_prefetching_a_cold_table_despite_its_own_prefetches(
         # so every step of every layer prefetched.
         assert dec.prefetched == 2 * n
         assert dec.auto_checks >= 2 * n
-        assert all(s.counters()["prefetched_gathers"] > 0 for s in stores.values())
+        assert dec.kept_fills >= served  # served from the rows its prefetches read
         for s in stores.values():
             s.populate()
         before = dec.prefetched
@@ -370,3 +370,40 @@ def test_decoder_reads_any_row_table(
             assert np.array_equal(out[:, i], fulls[lay][h2.row_ids(toks, layer=lay)][:, t])
     with pytest.raises(InvalidArgument, match="local"):
         Decoder(table, h, prefetch=True)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_direct_fills_into_layer_slices_equal_keygen_plus_fetch(
+    tmp_path: Path, rng: np.random.Generator, prefetch: bool, batch: int | None
+) -> None:
+    """Resident tables: `fill(layer=)` gathers each layer's rows straight into its strided
+    slice of ``[B, L, H, rb]`` (prefill ``[B, T, L, H, rb]``), bytes equal to the tables."""
+    h = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {lay: build_for(tmp_path, h, lay, f"e{lay}", lay) for lay in h.layers}
+    seqs = 1 if batch is None else batch
+    toks = tokens(rng, (seqs, 40))
+    with engramdb.open(tmp_path) as db:
+        for lay in h.layers:
+            db[f"e{lay}"].populate()
+        dec = Decoder({lay: db[f"e{lay}"] for lay in h.layers}, h, batch=batch, prefetch=prefetch)
+        pre = np.empty(dec.prefill_shape(8), np.uint8)
+        dec.prefill(toks[0, :8] if batch is None else toks[:, :8])
+        for lay in reversed(h.layers):  # any order, one layer at a time
+            dec.fill(pre, layer=lay)
+        for i, lay in enumerate(h.layers):
+            want = fulls[lay][h.row_ids(toks[:, :8], layer=lay)]  # [S, 8, H, rb]
+            got = pre[..., i, :, :] if batch is not None else pre[:, i][None]
+            assert np.array_equal(got, want)
+        out = np.empty(dec.out_shape, np.uint8)
+        for t in range(8, 40):
+            dec.push(int(toks[0, t]) if batch is None else toks[:, t])
+            for lay in h.layers:
+                dec.fill(out, layer=lay)
+            for i, lay in enumerate(h.layers):
+                want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]  # [S, H, rb]
+                got = out[:, i] if batch is not None else out[i][None]
+                assert np.array_equal(got, want), f"step {t} layer {lay}"
+        # without prefetch the direct path served (resident tables); with it, the rows the
+        # prefetches read (kept on their tickets)
+        assert (dec.kept_fills if prefetch else dec.direct_fills) > 0

@@ -248,3 +248,122 @@ def test_engram_layer_decodes_identically_through_the_hook(tmp_path: Path) -> No
                     got = disk[lay](hidden_states=hidden[:, lo:hi], engram_hash_indices=hashes)
                     assert torch.equal(got, want)
         assert all(d.multi_head_embedding.served_read == 0 for d in disk.values())
+
+
+class _TwoLayerModel(torch.nn.Module):
+    """Two real engram-peft EngramLayers in a container (what `serve_from_decoder` walks)."""
+
+    def __init__(self, layers):  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.engram = torch.nn.ModuleDict({str(k): v for k, v in layers.items()})
+
+
+def test_serve_from_decoder_installs_the_hook_on_real_engram_layers(tmp_path: Path) -> None:
+    import copy
+
+    from engramdb.decode import Decoder
+    from engramdb.errors import InvalidArgument
+    from engramdb.integrations.peft import serve_from_decoder
+
+    h, mods = _peft_tables(tmp_path)
+    ram = _TwoLayerModel(mods)
+    model = copy.deepcopy(ram)
+    rng = np.random.default_rng(11)
+    toks = rng.integers(0, 100, (2, 20))
+    hidden = torch.randn(2, 20, 16)
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=2, compressed=True)
+        with pytest.raises(InvalidArgument):
+            serve_from_decoder(model, dec, layers=[7])
+        originals = {k: m.multi_head_embedding for k, m in model.engram.items()}
+        undo = serve_from_decoder(model, dec)
+        hooks = {int(k): m.multi_head_embedding for k, m in model.engram.items()}
+        assert all(isinstance(hk, DiskMultiHeadEmbedding) for hk in hooks.values())
+        pre = np.empty(dec.prefill_shape(12), np.uint8)
+        step = np.empty(dec.out_shape, np.uint8)
+        dec.prefill(toks[:, :12])
+        with torch.no_grad():
+            for t in range(12, 21):
+                buf = pre if t == 12 else step
+                if t > 12:
+                    dec.push(toks[:, t - 1])
+                lo, hi = (0, 12) if t == 12 else (t - 1, t)
+                for lay in (1, 3):
+                    dec.fill(buf, layer=lay)  # each layer right before it runs
+                    ids = torch.from_numpy(h.local_ids(toks[:, :hi], layer=lay)[:, lo:hi])
+                    want = ram.engram[str(lay)](
+                        hidden_states=hidden[:, lo:hi], engram_hash_indices=ids
+                    )
+                    got = model.engram[str(lay)](
+                        hidden_states=hidden[:, lo:hi], engram_hash_indices=ids
+                    )
+                    assert torch.equal(got, want)
+            assert all(hk.served_prefetched == 9 and hk.served_read == 0 for hk in hooks.values())
+            # ids the decoder does not hold (another sequence): a verified miss, a synchronous
+            # read, the same output
+            other = torch.from_numpy(h.local_ids(toks[::-1, :hi], layer=1)[:, lo:hi].copy())
+            got = model.engram["1"](hidden_states=hidden[:, lo:hi], engram_hash_indices=other)
+            want = ram.engram["1"](hidden_states=hidden[:, lo:hi], engram_hash_indices=other)
+            assert torch.equal(got, want) and hooks[1].served_read == 1
+        undo()
+        assert all(model.engram[k].multi_head_embedding is v for k, v in originals.items())
+
+
+def test_serve_from_decoder_refuses_a_table_of_other_heads(tmp_path: Path) -> None:
+    from engramdb.decode import Decoder
+    from engramdb.errors import ShapeMismatch
+    from engramdb.integrations.peft import serve_from_decoder
+
+    h, mods = _peft_tables(tmp_path)
+    swapped = _TwoLayerModel({1: mods[3]})  # layer 3's module (other primes) named layer 1
+    swapped.engram["1"].layer_id = 1
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=1, compressed=True)
+        with pytest.raises(ShapeMismatch):
+            serve_from_decoder(swapped, dec)
+
+
+def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, 100, (3, 10))
+    with engramdb.open(tmp_path) as db:
+        m = DiskMultiHeadEmbedding(db["l1"])
+        for t in range(1, 10):
+            ids = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=1)[:, -1:].copy())
+            assert m.prefetch(ids)
+            if t % 2:
+                m._hot.ticket.wait()  # read in the background: the forward gathers it
+            assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        assert m.prefetches == 9 and m.served_from_prefetch >= 4  # the waited-for ones
+        # a prefetch of other ids is dropped, the forward still reads the right rows
+        ids = torch.from_numpy(h.local_ids(toks, layer=1)[:, -1:].copy())
+        m.prefetch(ids + 1)
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        bad = ids.clone()
+        bad[0, 0, 0] = -1
+        assert not m.prefetch(bad)  # out of range: nothing started, the forward raises
+        with pytest.raises(RowIdOutOfRange):
+            m(bad)
+
+
+def test_resident_fast_path_validates_and_equals_the_table(tmp_path: Path) -> None:
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    with engramdb.open(tmp_path) as db:
+        st = db["l1"]
+        st.populate()
+        m = DiskMultiHeadEmbedding(st)
+        rng = np.random.default_rng(4)
+        toks = rng.integers(0, 100, (4, 30))
+        ids = torch.from_numpy(h.local_ids(toks, layer=1))
+        for _ in range(3):  # the read rule settles in its mapped state
+            assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        assert m.served_mapped >= 1
+        primes = h.primes(1)
+        edge = ids.clone()
+        edge[..., :] = torch.from_numpy(primes - 1)  # every head's last row
+        assert torch.equal(m(edge), mods[1].multi_head_embedding(edge))
+        over = edge.clone()
+        over[0, 0, 1] = int(primes[1])  # one past head 1's rows: refused, not head 2's row 0
+        with pytest.raises(RowIdOutOfRange):
+            m(over)

@@ -47,7 +47,7 @@ from engramdb.io.mapping import LIBC
 from engramdb.layouts.geometry import PAGE
 from engramdb.table_api import RowTable
 
-__all__ = ["DiskBackedMultiHeadEmbedding", "TableEmbedding", "cow_rows"]
+__all__ = ["DiskBackedMultiHeadEmbedding", "TableEmbedding", "cow_rows", "serve_from_decoder"]
 
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x02, 0x10, 0x20, 0x4000
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -320,3 +320,54 @@ class DiskBackedMultiHeadEmbedding(nn.Module):
             f"heads={len(self.primes)}, rows={sum(self.primes)}, "
             f"dim={self.embedding_dim_per_head}, mode={self.mode}, source={self.table_source!r}"
         )
+
+
+def serve_from_decoder(model: nn.Module, decoder: Any, *, layers: Any = None) -> Any:
+    """Serve an engram-peft model's ``EngramLayer`` tables from ``decoder``'s filled rows.
+
+    Every ``EngramLayer`` of ``model`` (any module with ``layer_id`` and a
+    ``multi_head_embedding``) whose ``layer_id`` is one of the decoder's layers (or of
+    ``layers``) gets the pre-fetched-rows hook, `engramdb.torch.DiskMultiHeadEmbedding`
+    ``(decoder=decoder, layer=layer_id)``, in place of its ``multi_head_embedding``: when the
+    layer's local ids ``[B, L, H]`` equal the rows the decoder's last ``fill`` wrote for that
+    layer (every id compared), the output is a view of the fill buffer (no copy, no read);
+    any other ids are read synchronously from the decoder's table of that layer. Outputs are
+    bit-identical to the in-memory table the EngramDB table was built from.
+
+    The decoder's table must have the layer's heads (the primes its ``offsets`` buffer was
+    built from): checked here, `ShapeMismatch` otherwise. Returns an `Undo` that puts the
+    original modules back. Per step: ``decoder.push(tokens)`` right after sampling, then
+    ``decoder.fill(buf, layer=lay)`` before layer ``lay`` runs (or one ``fill(buf)``)."""
+    from engramdb.integrations.installers import Undo
+    from engramdb.torch import DiskMultiHeadEmbedding
+
+    wanted = set(decoder.layers if layers is None else (int(x) for x in layers))
+    missing = wanted - set(decoder.layers)
+    if missing:
+        raise InvalidArgument(f"layers {sorted(missing)} are not the decoder's {decoder.layers}")
+    swapped: list[tuple[nn.Module, nn.Module]] = []
+    for mod in model.modules():
+        lay = getattr(mod, "layer_id", None)
+        old = getattr(mod, "multi_head_embedding", None)
+        if lay is None or old is None or int(lay) not in wanted:
+            continue
+        hook = DiskMultiHeadEmbedding(decoder=decoder, layer=int(lay))
+        offs = getattr(old, "offsets", None)
+        if isinstance(offs, torch.Tensor) and offs.device.type != "meta":
+            theirs = offs.detach().cpu().numpy().astype(np.int64)
+            ours = hook.store.head_offsets
+            if theirs.shape != ours.shape or not np.array_equal(theirs, ours):
+                raise ShapeMismatch(
+                    f"layer {lay}: the model's head offsets {theirs.tolist()[:4]}... differ "
+                    f"from table {hook.store.name!r}'s {ours.tolist()[:4]}..."
+                )
+        mod.multi_head_embedding = hook
+        swapped.append((mod, old))
+    if not swapped:
+        raise InvalidArgument(f"no EngramLayer with layer_id in {sorted(wanted)} in the model")
+
+    def restore() -> None:
+        for mod, old in swapped:
+            mod.multi_head_embedding = old
+
+    return Undo(restore, f"engram-peft layers {sorted(wanted)} served from a Decoder")

@@ -33,7 +33,7 @@ import numpy as np
 from engramdb.errors import InvalidArgument, StoreClosed
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
-from engramdb.read.plan import GeometryLike, ReadPlan
+from engramdb.read.plan import GeometryLike, ReadPlan, assemble
 from engramdb.stats import Stats
 from engramdb.validate import as_rowids, check_bounds
 
@@ -84,10 +84,14 @@ class Ticket:
     `cancel` withdraws it while still queued. ``state`` is one of queued / running / done /
     failed / cancelled."""
 
-    __slots__ = ("ids", "state", "error", "surfaced", "finished", "_owner")
+    __slots__ = ("ids", "state", "error", "surfaced", "finished", "_owner", "keep", "uids", "rows")
 
-    def __init__(self, ids: np.ndarray, owner: Prefetcher | None):
+    def __init__(self, ids: np.ndarray, owner: Prefetcher | None, keep: bool = False):
         self.ids = ids
+        #: ``keep_rows``: once done, ``rows[k]`` holds row ``uids[k]`` (sorted unique ids).
+        self.keep = keep
+        self.uids: np.ndarray | None = None
+        self.rows: np.ndarray | None = None
         self.state = QUEUED
         self.error: BaseException | None = None
         self.surfaced = False
@@ -120,6 +124,17 @@ class Ticket:
 
     def __repr__(self) -> str:
         return f"<Ticket {self.state} {self.ids.size} rows>"
+
+
+def take_kept(t: Ticket, ids: np.ndarray, out: np.ndarray) -> bool:
+    """Copy rows ``ids`` (any shape, each one the ticket asked for) from a finished
+    ``keep_rows`` ticket into ``out`` (``ids.shape + (row_bytes,)``, may be strided). False
+    when the ticket kept no rows (nothing written)."""
+    uids, rows = t.uids, t.rows
+    if uids is None or rows is None or t.state != DONE:
+        return False
+    rows.take(np.searchsorted(uids, ids), 0, out, "clip")
+    return True
 
 
 def _intersects(a: np.ndarray, b: np.ndarray) -> bool:
@@ -161,6 +176,7 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._buffered: Backend | None = None
+        self._slot = 0  # which of the two kept-rows buffers the next kept ticket fills
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -184,9 +200,16 @@ class Prefetcher:
             return t
         return self.submit_trusted(ids)
 
-    def submit_trusted(self, ids: np.ndarray) -> Ticket:
-        """`submit` for validated 1-D int64 ids (keygen output for a table that fits)."""
-        t = Ticket(ids, self)
+    def submit_trusted(self, ids: np.ndarray, *, keep_rows: bool = False) -> Ticket:
+        """`submit` for validated 1-D int64 ids (keygen output for a table that fits).
+
+        ``keep_rows`` (page-cache target): the ticket keeps the rows it read (``uids`` /
+        ``rows``) instead of gathering them through the mapping, so the consumer copies them
+        from there and nobody takes page faults on a mapping that is not populated. The rows
+        live in one of two buffers this prefetcher alternates between: valid until the
+        second ticket after this one is submitted (a decode step reads them before the next
+        push)."""
+        t = Ticket(ids, self, keep_rows and self.target == "page_cache")
         with self._cond:
             if self._closed:
                 raise StoreClosed(f"prefetcher of table {self.store.name!r} is closed")
@@ -311,7 +334,7 @@ class Prefetcher:
                 t = self._queue.popleft()
                 t.state = RUNNING
             try:
-                n = self._read(t.ids)
+                n = self._read_kept(t) if t.keep else self._read(t.ids)
             except BaseException as e:  # kept on the ticket; raised where the rows are needed
                 self._finish(t, FAILED, e)
             else:
@@ -344,6 +367,28 @@ class Prefetcher:
         )
         rows = store.scratch("prefetch", ids.size * store.row_bytes)
         store.take_mapped(ids, rows.reshape(ids.size, store.row_bytes))
+        return int(ids.size)
+
+    def _read_kept(self, t: Ticket) -> int:
+        """Page cache, rows kept on the ticket: one buffered batch read straight into one of
+        the two row buffers (no gather through the mapping)."""
+        store = self.store
+        if t.ids.size == 0 or store.closed:
+            t.uids, t.rows = t.ids[:0], np.zeros((0, store.row_bytes), np.uint8)
+            return 0
+        ids = np.unique(t.ids)
+        if self._buffered is None:
+            self._buffered = cold_backend(direct=False)
+        plan = store.plan_for(ids)
+        scratch = store.scratch("prefetch_io", plan.scratch_bytes)
+        self._buffered.read(
+            store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
+        )
+        self._slot ^= 1
+        name = f"prefetch_rows{self._slot}"
+        rows = store.scratch(name, ids.size * store.row_bytes).reshape(ids.size, store.row_bytes)
+        assemble(plan, scratch, rows)
+        t.uids, t.rows = ids, rows
         return int(ids.size)
 
     def close(self) -> None:

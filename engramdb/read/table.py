@@ -462,7 +462,7 @@ class LocalTable(RowTable):
         pf = self._prefetcher
         if (
             self._cache is not None
-            or self._segments is not None
+            or (self._segments is not None and self._segments.single is None)
             or (pf is not None and pf.busy)
             or flat.size >= self._unsampled_rows
             or not self.mapped_state()
@@ -480,6 +480,14 @@ class LocalTable(RowTable):
         c["fetch_calls"] += 1
         c["rows_fetched"] += flat.size
         c["small_gathers"] += 1
+
+    def note_mapped_gather(self, rows: int, seconds: float) -> None:
+        """A caller that gathered validated ids from `array()` itself while `mapped_state()`
+        held reports a slow gather here (it may have faulted), so the read rule leaves its
+        mapped state as after a slow `gather_small`."""
+        a = self._auto
+        if a is not None and a.mapped is not None and seconds * 1e6 > a.slow_us * rows:
+            a.feedback(a.mapped, rows, seconds)
 
     def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Gather validated ids known to be in the page cache (a finished page-cache

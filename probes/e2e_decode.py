@@ -1,0 +1,638 @@
+"""The end-to-end decode bar: greedy decoding with engram-peft's real `EngramLayer`, the Engram
+tables in RAM vs through EngramDB (issues 18 item 5 and 21).
+
+    python probes/e2e_decode.py --quick            # 2 x 128 MB tables, 128 steps, 2 reps
+    python probes/e2e_decode.py --full             # 2 x 2.1 GB tables (4.2 GB), 256 steps, 3 reps
+    python probes/e2e_decode.py [--table-gb G] [--steps N] [--reps R] [--batches 1,8]
+        [--hidden 448] [--blocks 4] [--arms ram,warm:module,...] [--no-train] [--dir D] [--keep]
+
+The model: a token embedding (8192 tokens), ``--blocks`` residual MLP blocks of width
+``--hidden``, an lm head, and two engram-peft 1.2.7 `EngramLayer`s (ids 1 and 3, after blocks 1
+and 3; ``ngram_sizes=[2, 3]``, 8 heads per order, 80-dim heads: 320 B f32 rows). The defaults
+make a decode step ~5-7 ms at B=1 on one thread here (``torch.set_num_threads(1)``), where the
+lookup is not negligible; ``--hidden 1024 --blocks 6 --vocab 32000`` is a ~40 ms-step model.
+The row ids come from the engram-peft keygen kind (equal to engram-peft's own hashing,
+tests/test_keygen_peft.py); the model hashes every step itself, as engram-peft's pre-hook does.
+
+Tables: raw f32 files filled with random normals in 64 MB numpy chunks (no per-row Python),
+attached in place (`engramdb.attach`, no copy), deleted at exit.
+
+Every (arm, B) runs in a **fresh process**; arms are interleaved per repetition (ABBA). The page
+cache state is set before the process starts: **warm** = `python -m engramdb warm` (the page
+cache is hot, the serving process's mapping is not populated: what a server sees after the CLI);
+**cold** = the table files' pages dropped with ``POSIX_FADV_DONTNEED`` (no global drop_caches),
+residency checked with ``mincore`` in the child. Arms:
+
+* ``ram``: engram-peft's own `MultiHeadEmbedding` (an ``nn.Embedding``) over the table read into
+  anonymous memory (``np.fromfile``): the baseline every ratio is against.
+* ``module``: `engramdb.torch.DiskMultiHeadEmbedding` in place of it, synchronous reads.
+* ``module+pf``: the same module; right after sampling, the model hashes the next token and calls
+  ``module.prefetch(ids)`` for each layer, so the read overlaps the blocks before the layer.
+* ``decoder``: `Decoder(prefetch="auto")` pushed each sampled token at once (keygen + prefetch
+  submit), ``fill(buf, layer=)`` right before each layer, and the layers served from its buffer
+  by the pre-fetched-rows hook (`DiskMultiHeadEmbedding(decoder=, layer=)`, no copy; the hook
+  checks the model's ids equal the decoder's). ``decoder:on`` / ``decoder:off`` force prefetch.
+
+Correctness first: every arm's tokens must equal the ``ram`` arm's (exit 1 otherwise). Printed per
+B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
+module's forward, plus push/fill/prefetch calls), minor/major faults per step, RSS anon/file
+(MB), 32-token prefill and its ratio. Then the warm per-step lookup of the module vs
+``nn.Embedding`` (same processes' figures), and the training-side figure: corpus -> e_t
+(``db.stream``) -> a torch training step, tokens/s, against the same loop fed by
+``np.take`` from the table in anonymous memory (feed only and feed + step). Writes
+probes/out/e2e_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_note, median, write_json  # noqa: E402
+
+if not hasattr(typing, "override"):  # engram-peft 1.2.7 imports typing.override (3.12+)
+    import typing_extensions
+
+    typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+ENGRAM_AFTER = {1: 1, 3: 3}  # engram layer id -> the block it follows
+ROW_BYTES, DIM, HEADS = 320, 80, 16
+DEFAULT_ARMS = "ram,warm:module,warm:decoder,cold:module,cold:module+pf,cold:decoder"
+
+
+# -- setup (both sides) -----------------------------------------------------------------------
+def engram_config(args: argparse.Namespace) -> Any:
+    from engram_peft.config import EngramConfig
+
+    per_order = max(64, int(args.table_gb * 1e9 / ROW_BYTES / 2 / len(ENGRAM_AFTER)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return EngramConfig(
+            engram_vocab_size_per_ngram=[per_order, per_order],
+            ngram_sizes=[2, 3],
+            n_head_per_ngram=8,
+            embedding_dim=DIM * HEADS,
+            hidden_size=args.hidden,
+            hc_mult=1,
+            compressed_vocab_size=args.vocab,
+            pad_id=0,
+            enable_tokenizer_compression=False,
+            gating_zero_init=False,
+            conv_zero_init=False,
+            target_layers=list(ENGRAM_AFTER),
+            use_sparse_embeddings=False,
+        )
+
+
+def table_path(root: Path, lay: int) -> Path:
+    return root / f"l{lay}.f32"
+
+
+def build_tables(args: argparse.Namespace, root: Path, h: Any) -> None:
+    """Raw f32 row files (random normals, 64 MB chunks), attached in place."""
+    import engramdb
+
+    for lay in ENGRAM_AFTER:
+        n = int(h.table_rows(lay)) * DIM
+        rng = np.random.default_rng(100 + lay)
+        chunk = 16 << 20
+        with open(table_path(root, lay), "wb") as f:
+            for i in range(0, n, chunk):
+                f.write(rng.standard_normal(min(chunk, n - i), dtype=np.float32).data)
+        engramdb.attach(
+            root / "db",
+            f"l{lay}",
+            [str(table_path(root, lay))],
+            row_bytes=ROW_BYTES,
+            heads=h.primes(lay).tolist(),
+            dtype="f32",
+            dim=DIM,
+        )
+
+
+def evict_tables(root: Path) -> None:
+    for lay in ENGRAM_AFTER:
+        fd = os.open(table_path(root, lay), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_tables(root: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "engramdb", "warm", str(root / "db"), "-q"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+# -- the child: one (arm, B) ------------------------------------------------------------------
+def proc_status() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k = line.split(":")[0]
+            if k in ("RssAnon", "RssFile", "VmHWM"):
+                out[k] = int(line.split()[1]) / 1024
+    return out
+
+
+class Clock:
+    """Seconds spent in table access (module forwards, push / fill / prefetch calls), in all
+    and per part."""
+
+    total = 0.0
+    parts: dict[str, float] = {}
+
+    @classmethod
+    def add(cls, part: str, dt: float) -> None:
+        cls.total += dt
+        cls.parts[part] = cls.parts.get(part, 0.0) + dt
+
+
+def build_model(args: argparse.Namespace, cfg: Any, h: Any) -> Any:
+    """The toy model with engram-peft layers whose tables are left unallocated (meta)."""
+    import engram_peft.layer as ep_layer
+    import torch
+    from torch import nn
+
+    orig = ep_layer.MultiHeadEmbedding
+
+    def meta_table(*a: Any, **kw: Any) -> Any:
+        with torch.device("meta"):
+            return orig(*a, **kw)
+
+    class Timed(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = self.inner(ids)
+            Clock.add("forward", time.perf_counter() - t0)
+            return out  # type: ignore[no-any-return]
+
+    class ToyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            d = args.hidden
+            self.embed = nn.Embedding(args.vocab, d)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                for _ in range(args.blocks)
+            )
+            ep_layer.MultiHeadEmbedding = meta_table
+            try:
+                self.engram = nn.ModuleDict(
+                    {
+                        str(lay): ep_layer.EngramLayer(cfg, lay, h.primes(lay).tolist())
+                        for lay in ENGRAM_AFTER
+                    }
+                )
+            finally:
+                ep_layer.MultiHeadEmbedding = orig
+            self.head = nn.Linear(d, args.vocab)
+            self.before_layer: Any = None
+
+        def set_table(self, lay: int, module: nn.Module) -> None:
+            self.engram[str(lay)].multi_head_embedding = Timed(module)
+
+        def forward(self, tokens: torch.Tensor, hashes: dict[int, torch.Tensor]) -> torch.Tensor:
+            x = self.embed(tokens)
+            for b, block in enumerate(self.blocks):
+                x = x + block(x)
+                for lay, after in ENGRAM_AFTER.items():
+                    if after == b:
+                        if self.before_layer is not None:
+                            self.before_layer(lay)
+                        x = self.engram[str(lay)](hidden_states=x, engram_hash_indices=hashes[lay])
+            return self.head(x[:, -1]).argmax(-1)  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ToyModel().eval()
+    with torch.no_grad():  # large engram branch: a wrong row changes the next token
+        for lay in ENGRAM_AFTER:
+            for p in model.engram[str(lay)].gating.parameters():
+                if p.dim() == 2:
+                    p.mul_(4.0)
+    return model
+
+
+def ram_table(root: Path, lay: int, h: Any) -> Any:
+    """engram-peft's own MultiHeadEmbedding over the table in anonymous memory."""
+    import torch
+    from engram_peft.layer import MultiHeadEmbedding
+    from torch import nn
+
+    with torch.device("meta"):
+        mhe = MultiHeadEmbedding(h.primes(lay).tolist(), DIM, sparse=False)
+    w = np.fromfile(table_path(root, lay), dtype=np.float32).reshape(-1, DIM)
+    mhe.embedding = nn.Embedding(w.shape[0], DIM, _weight=torch.from_numpy(w))
+    mhe.register_buffer("offsets", torch.from_numpy(h.offsets(lay).copy()))
+    return mhe
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import engramdb
+    from engramdb import keygen
+    from engramdb.decode import Decoder
+    from engramdb.testing.pages import file_residency
+    from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
+
+    root = Path(args.root)
+    state, _, kind = args.child.partition(":") if ":" in args.child else ("", "", args.child)
+    b = args.batch
+    cfg = engram_config(args)
+    h = keygen.hasher("engram-peft", cfg)
+    resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
+    model = build_model(args, cfg, h)
+    # background_warm off (unless --background-warm): a first cold read of a table that fits
+    # would start populating the whole table into this process (the library default).
+    db = engramdb.open(root / "db", background_warm=args.background_warm)
+    stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
+    dec = None
+    mods: dict[int, Any] = {}
+    if kind == "ram":
+        for lay in ENGRAM_AFTER:
+            model.set_table(lay, ram_table(root, lay, h))
+    elif kind.startswith("decoder"):
+        pf = {"decoder": "auto", "decoder:on": True, "decoder:off": False}[kind]
+        dec = Decoder(stores, h, batch=b, prefetch=pf, compressed=True)
+        for lay in ENGRAM_AFTER:
+            mods[lay] = prefetched_multi_head_embedding(dec, lay)
+            model.set_table(lay, mods[lay])
+    else:
+        for lay in ENGRAM_AFTER:
+            mods[lay] = DiskMultiHeadEmbedding(stores[lay])
+            model.set_table(lay, mods[lay])
+    if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
+        for st in stores.values():
+            st.populate()
+    prefetch_module = kind == "module+pf"
+    offs = {lay: h.offsets(lay) for lay in ENGRAM_AFTER}
+    bufs: dict[str, np.ndarray] = {}
+    if dec is not None:
+        d = dec
+
+        def before(lay: int) -> None:
+            t0 = time.perf_counter()
+            d.fill(bufs["out"], layer=lay)
+            Clock.add(f"fill{lay}", time.perf_counter() - t0)
+
+        model.before_layer = before
+
+    def run(prompt: np.ndarray, steps: int) -> dict[str, Any]:
+        streams = {lay: h.stream(layer=lay, compressed=True, local=True) for lay in ENGRAM_AFTER}
+        if dec is not None:
+            dec.reset()
+            bufs["out"] = np.empty(dec.prefill_shape(prompt.shape[1]), np.uint8)
+        toks = np.empty((b, steps), np.int64)
+        step_s = np.empty(steps)
+        lookup_s = np.empty(steps)
+
+        def feed(col: np.ndarray) -> dict[int, torch.Tensor]:
+            if dec is not None:
+                # The decoder hashes for the model: its row ids minus the head offsets are the
+                # layers' local ids (the hook verifies them against its fill).
+                t0 = time.perf_counter()
+                rows = dec.push(col[:, 0]) if col.shape[1] == 1 else dec.prefill(col)
+                Clock.add("push", time.perf_counter() - t0)
+                return {
+                    lay: torch.from_numpy((r - offs[lay]).reshape(b, col.shape[1], HEADS))
+                    for lay, r in zip(dec.layers, rows)
+                }
+            hashes = {lay: torch.from_numpy(st.push(col)) for lay, st in streams.items()}
+            if prefetch_module:
+                t0 = time.perf_counter()
+                for lay, ids in hashes.items():
+                    mods[lay].prefetch(ids)
+                Clock.add("prefetch", time.perf_counter() - t0)
+            return hashes
+
+        with torch.no_grad():
+            Clock.total = 0.0
+            t0 = time.perf_counter()
+            nxt = model(torch.from_numpy(prompt), feed(prompt)).numpy()
+            prefill = time.perf_counter() - t0
+            prefill_lookup = Clock.total
+            if dec is not None:
+                bufs["out"] = np.empty(dec.out_shape, np.uint8)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            Clock.parts = {}
+            for s in range(steps):
+                toks[:, s] = nxt
+                Clock.total = 0.0
+                t0 = time.perf_counter()
+                col = nxt.reshape(-1, 1)
+                nxt = model(torch.from_numpy(col), feed(col)).numpy()
+                step_s[s] = time.perf_counter() - t0
+                lookup_s[s] = Clock.total
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "tokens": toks,
+            "prefill_ms": prefill * 1e3,
+            "prefill_lookup_ms": prefill_lookup * 1e3,
+            "decode_s": float(step_s.sum()),
+            "step_p50_ms": float(np.percentile(step_s, 50) * 1e3),
+            "step_p99_ms": float(np.percentile(step_s, 99) * 1e3),
+            "lookup_ms": float(lookup_s.mean() * 1e3),
+            "lookup_parts_us": {k: v / steps * 1e6 for k, v in Clock.parts.items()},
+            "minflt": (ru1.ru_minflt - ru0.ru_minflt) / steps,
+            "majflt": (ru1.ru_majflt - ru0.ru_majflt) / steps,
+        }
+
+    rng = np.random.default_rng(1000 + b)
+    run(rng.integers(0, args.vocab, (b, 8)), 4)  # compute warm-up (touches ~0.01 % of rows)
+    prompt = np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt))
+    r = run(prompt, args.steps)
+    toks = r.pop("tokens")
+    doc: dict[str, Any] = {
+        **r,
+        "arm": args.child,
+        "batch": b,
+        "tokens_per_s": b * args.steps / r["decode_s"],
+        "resident_before": resident,
+        "tokens": toks.tolist(),
+        **proc_status(),
+    }
+    if dec is not None:
+        doc["prefetched_share"] = dec.prefetched / max(1, dec.steps * len(dec.layers))
+        doc["auto_switches"] = dec.auto_switches
+        doc["served_read"] = sum(m.served_read for m in mods.values())
+        doc["served_prefetched"] = sum(m.served_prefetched for m in mods.values())
+    if prefetch_module:
+        doc["module_prefetches"] = sum(m.prefetches for m in mods.values())
+    if kind != "ram":
+        c = [s.counters() for s in stores.values()]
+        doc["rows_fetched"] = sum(x["rows_fetched"] for x in c)
+        doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
+    db.close()
+    print("RESULT " + json.dumps(doc))
+
+
+# -- the training-side figure -------------------------------------------------------------------
+def train_child(args: argparse.Namespace) -> None:
+    """corpus -> e_t -> a training step (layer 1's table, warm): db.stream vs np.take from RAM."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    import engramdb
+    from engramdb import keygen
+
+    root = Path(args.root)
+    cfg = engram_config(args)
+    h = keygen.hasher("engram-peft", cfg)
+    lay, bt = 1, 8192
+    corpus = np.random.default_rng(5).integers(0, args.vocab, args.train_tokens)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(DIM * HEADS, 64), nn.GELU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    target = torch.zeros(bt, 1)
+
+    def train_step(e: torch.Tensor) -> None:
+        loss = nn.functional.mse_loss(net(e), target[: e.shape[0]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    out: dict[str, float] = {}
+    for with_step in (False, True):
+        db = engramdb.open(root / "db")
+        t0 = time.perf_counter()
+        n = 0
+        for toks, e_t in db.stream(corpus, preset=h, table=f"l{lay}", layer=lay, batch_tokens=bt):
+            e = torch.from_numpy(e_t).view(torch.float32).view(-1, DIM * HEADS)
+            if with_step:
+                train_step(e)
+            n += len(toks)
+        out["stream_train" if with_step else "stream_feed"] = n / (time.perf_counter() - t0)
+        db.close()
+    table = np.fromfile(table_path(root, lay), dtype=np.uint8).reshape(-1, ROW_BYTES)
+    buf = np.empty((bt * HEADS, ROW_BYTES), np.uint8)
+    for with_step in (False, True):
+        t0 = time.perf_counter()
+        for i in range(0, corpus.size, bt):
+            ids = h.row_ids(corpus[max(0, i - 2) : i + bt], layer=lay, compressed=True)
+            ids = ids[min(i, 2) :].reshape(-1)
+            np.take(table, ids, axis=0, out=buf[: ids.size], mode="clip")
+            e = torch.from_numpy(buf[: ids.size]).view(torch.float32).view(-1, DIM * HEADS)
+            if with_step:
+                train_step(e)
+        out["ram_train" if with_step else "ram_feed"] = corpus.size / (time.perf_counter() - t0)
+    print("RESULT " + json.dumps(out))
+
+
+# -- the parent ---------------------------------------------------------------------------------
+def spawn(args: argparse.Namespace, root: Path, arm: str, b: int) -> dict[str, Any]:
+    state = arm.split(":")[0]
+    if state == "cold":
+        evict_tables(root)
+    elif state.startswith("warm"):
+        warm_tables(root)
+    cmd = [sys.executable, __file__, "--child", arm, "--batch", str(b), "--root", str(root)]
+    for k in ("table_gb", "steps", "hidden", "blocks", "vocab", "prompt", "train_tokens"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.background_warm:
+        cmd.append("--background-warm")
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise SystemExit(f"arm {arm} B={b} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, Any], bool]:
+    ram = runs["ram"]
+    ref = ram[0]["tokens"]
+    ram_tps = median([r["tokens_per_s"] for r in ram])
+    ram_pre = median([r["prefill_ms"] for r in ram])
+    ram_lk = median([r["lookup_ms"] for r in ram])
+    ok = True
+    rows: dict[str, Any] = {}
+    print(
+        f"B={b}  {'arm':18s} {'tok/s':>8s} {'vs RAM':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
+        f"{'lookup ms':>9s} {'minflt':>7s} {'majflt':>7s} {'anon MB':>8s} {'file MB':>8s} "
+        f"{'prefill ms':>10s} {'vs RAM':>6s} {'cold left':>9s} same"
+    )
+    for arm, rs in runs.items():
+        same = all(r["tokens"] == ref for r in rs)
+        ok &= same
+        m = {
+            k: median([r[k] for r in rs])
+            for k in (
+                "tokens_per_s",
+                "step_p50_ms",
+                "step_p99_ms",
+                "lookup_ms",
+                "minflt",
+                "majflt",
+                "RssAnon",
+                "RssFile",
+                "prefill_ms",
+                "resident_before",
+            )
+        }
+        m["decode_vs_ram"] = m["tokens_per_s"] / ram_tps
+        m["prefill_vs_ram"] = m["prefill_ms"] / ram_pre
+        m["lookup_vs_ram"] = m["lookup_ms"] / ram_lk
+        m["decode_vs_ram_reps"] = [r["tokens_per_s"] / ram_tps for r in rs]
+        m["tokens_identical"] = same
+        m["lookup_parts_us"] = {
+            k: median([r["lookup_parts_us"].get(k, 0.0) for r in rs])
+            for k in rs[0]["lookup_parts_us"]
+        }
+        for k in ("prefetched_share", "served_read", "auto_switches", "module_prefetches"):
+            if k in rs[0]:
+                m[k] = median([r[k] for r in rs])
+        rows[arm] = m
+        print(
+            f"     {arm:18s} {m['tokens_per_s']:8.1f} {m['decode_vs_ram']:6.3f}x "
+            f"{m['step_p50_ms']:7.2f} {m['step_p99_ms']:7.2f} {m['lookup_ms']:9.3f} "
+            f"{m['minflt']:7.1f} {m['majflt']:7.1f} {m['RssAnon']:8.0f} {m['RssFile']:8.0f} "
+            f"{m['prefill_ms']:10.1f} {m['prefill_vs_ram']:5.2f}x {m['resident_before']:8.1%} "
+            f"{'yes' if same else 'NO'}"
+            + (
+                f"  (prefetched {m['prefetched_share']:.0%} of steps, "
+                f"{m['served_read']:.0f} hook misses, {m['auto_switches']:.0f} auto switches)"
+                if "prefetched_share" in m
+                else ""
+            )
+        )
+        print(
+            f"     {'':18s} per rep vs RAM: "
+            + " ".join(f"{x:.3f}" for x in m["decode_vs_ram_reps"])
+            + "; lookup us/step: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in m["lookup_parts_us"].items())
+        )
+    return rows, ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 x 128 MB tables, 128 steps, 2 reps")
+    ap.add_argument("--full", action="store_true", help="2 x 2.1 GB tables, 256 steps, 3 reps")
+    ap.add_argument("--table-gb", type=float, default=1.0, help="GB of tables in all")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--hidden", type=int, default=448)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--arms", default=DEFAULT_ARMS)
+    ap.add_argument("--train-tokens", type=int, default=1 << 20)
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument(
+        "--background-warm",
+        action="store_true",
+        help="open tables with the default background warm (a first cold read populates it)",
+    )
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the tables")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child == "train":
+        train_child(args)
+        return
+    if args.child:
+        child(args)
+        return
+    if args.quick:
+        args.table_gb, args.steps, args.reps, args.train_tokens = 0.256, 128, 2, 1 << 19
+    if args.full:
+        args.table_gb, args.steps, args.reps = 4.2, 256, 3
+    arms = args.arms.split(",")
+    if arms[0] != "ram":
+        raise SystemExit("the first arm must be ram (the baseline)")
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="e2e_decode_"))
+    root.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"args": vars(args), "cpu": cpu_note()}
+    ok = True
+    try:
+        from engramdb import keygen
+
+        h = keygen.hasher("engram-peft", engram_config(args))
+        t0 = time.perf_counter()
+        if not (root / "db" / "manifest.json").exists():
+            build_tables(args, root, h)
+        gb = sum(table_path(root, lay).stat().st_size for lay in ENGRAM_AFTER) / 1e9
+        print(
+            f"tables: {len(ENGRAM_AFTER)} layers, {gb:.2f} GB in all, ready in "
+            f"{time.perf_counter() - t0:.1f} s; model hidden {args.hidden}, {args.blocks} blocks, "
+            f"vocab {args.vocab}; {args.steps} steps, {args.reps} reps, fresh process per arm"
+        )
+        doc["table_gb"] = gb
+        for b in [int(x) for x in args.batches.split(",")]:
+            runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+            for rep in range(args.reps):
+                order = arms if rep % 2 == 0 else arms[:1] + arms[1:][::-1]
+                for arm in order:
+                    runs[arm].append(spawn(args, root, arm, b))
+            rows, same = summarize(runs, b)
+            ok &= same
+            doc[f"B{b}"] = rows
+            warm = rows.get("warm:module")
+            if warm is not None:
+                print(
+                    f"  B={b} warm lookup per step: DiskMultiHeadEmbedding "
+                    f"{warm['lookup_ms'] * 1e3:.1f} us vs nn.Embedding (engram-peft's "
+                    f"MultiHeadEmbedding) {rows['ram']['lookup_ms'] * 1e3:.1f} us = "
+                    f"{warm['lookup_vs_ram']:.2f}x (bar <= 1.5x)"
+                )
+        if not args.no_train:
+            warm_tables(root)
+            tr = train_run(args, root)
+            doc["train"] = tr
+            print(
+                f"training side (layer 1 table, warm, batch 8192 tokens, single thread): e_t feed "
+                f"db.stream {tr['stream_feed'] / 1e6:.2f} M tokens/s vs np.take from RAM "
+                f"{tr['ram_feed'] / 1e6:.2f} M ({tr['stream_feed'] / tr['ram_feed']:.2f}x; bar >= "
+                f"1 M/s); feed + training step {tr['stream_train'] / 1e3:.1f} k vs "
+                f"{tr['ram_train'] / 1e3:.1f} k tokens/s ({tr['stream_train'] / tr['ram_train']:.2f}x)"
+            )
+        doc["tokens_identical"] = ok
+        print(f"tokens identical in every arm: {ok}; wrote {write_json('e2e_decode', doc)}")
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    sys.exit(0 if ok else 1)
+
+
+def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "train", "--root", str(root)]
+    for k in ("table_gb", "hidden", "blocks", "vocab", "train_tokens"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise SystemExit(f"training arm failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
+
+
+if __name__ == "__main__":
+    main()
