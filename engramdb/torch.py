@@ -137,7 +137,6 @@ class DiskEmbedding(_DiskTable):
         )
 
 
-_GUARD_EVERY_MASK = 63  # attached sources: the truncation check every 64 resident gathers
 
 
 class _Hot:
@@ -365,8 +364,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
         tbl = self._table_np
         hot = self._hot
         hot.mapped += 1
-        if self._guarded and not hot.mapped & _GUARD_EVERY_MASK:
-            tbl = self.store.array()  # type: ignore[attr-defined]  # source truncation check
+        if self._guarded:  # attached sources: an fstat of the mapped files before each gather
+            tbl = self.store.array()  # type: ignore[attr-defined]  # (TruncatedFile, not SIGBUS)
         assert tbl is not None
         raw_np = np.empty((*ids.shape, self._rb), dtype=np.uint8)
         flat = ids + self._offsets_np

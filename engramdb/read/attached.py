@@ -328,6 +328,10 @@ class SourceSegments:
                     f"({now} bytes, attached with {self._sizes[i]})"
                 )
 
+    def guard_mapped(self) -> None:
+        """`guard` of the files behind `single` (the one mapped array), else of every file."""
+        self.guard(self._single_file if self.single is not None else None)
+
     def _buf(self, width: int, rows: int = CHUNK_ROWS, kind: str = "c") -> np.ndarray:
         """This thread's reused ``[rows, width]`` gather buffer of ``kind`` (grown, never
         shrunk: fresh allocations fault their pages in)."""

@@ -235,7 +235,7 @@ class LocalTable(RowTable):
             raise StoreClosed(f"table {self.name!r} is closed")
         seg = self._segments
         if seg is not None:
-            seg.guard()  # a source truncated while open: TruncatedFile, not SIGBUS later
+            seg.guard_mapped()  # a source truncated while open: TruncatedFile, not SIGBUS
             if seg.single is None:
                 raise InvalidLayout(
                     f"attached table {self.name!r} assembles rows from several source "
