@@ -225,6 +225,43 @@ def test_rss_budget_trims_mapped_pages(tmp_path: Path) -> None:
         assert s.memory()["rss_file_bytes"] <= 8 << 20
 
 
+def test_rss_budget_holds_vmrss_under_random_reads(tmp_path: Path) -> None:
+    """A fresh process, a 48 MB table, ``rss_budget="8M"``: random `fetch_into`
+    batches stay bit-equal and VmRSS grows by no more than the budget (plus slack for the
+    interpreter's own allocations): resident rows come by buffered reads, not the mapping."""
+    data = _rows(300_000)
+    engramdb.build(tmp_path, "t", ROW, [data])
+    np.save(tmp_path / "ref.npy", data)
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, engramdb
+        from engramdb.io.tiers import process_rss
+        ref = np.load({str(tmp_path / "ref.npy")!r})
+        db = engramdb.open({str(tmp_path)!r}, rss_budget="8M", background_warm=False)
+        s = db["t"]
+        s.populate()
+        s.tiers.trim()
+        out = np.empty((4096, {ROW}), np.uint8)
+        rng = np.random.default_rng(5)
+        ids = rng.integers(0, s.n_rows, 4096)
+        s.fetch_into(ids, out)
+        base = process_rss()["VmRSS"]
+        peak = 0
+        for i in range(60):
+            ids = rng.integers(0, s.n_rows, 4096)
+            s.fetch_into(ids, out)
+            assert np.array_equal(out, ref[ids])
+            peak = max(peak, process_rss()["VmRSS"] - base)
+        print(peak, s.stats()["choices"].get("mmap", 0), s.tiers.trims)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    peak, mapped, trims = (int(x) for x in out.stdout.split())
+    assert mapped == 0 and trims >= 1
+    assert peak <= (8 << 20) + (4 << 20), peak  # the budget, plus 4 MB of slack
+
 def test_rss_budget_drops_vmrss(tmp_path: Path) -> None:
     """VmRSS itself falls once the mapping is trimmed (checked in a fresh process)."""
     engramdb.build(tmp_path, "t", ROW, [_rows(200_000)])

@@ -189,7 +189,8 @@ class LocalTable(RowTable):
         self._sampled = 0  # large fast-path batches (one in `_MINCORE_EVERY` runs mincore)
         self._cache: RowCache | None = None
         self._prefetcher: Prefetcher | None = None
-        #: No RAM tier, no prefetcher, a built table: the mapped fast paths may run.
+        #: No RAM tier and a built table: the mapped fast paths may run
+        #: (`fetch_into` / `lookup_into` also need no prefetcher: rows may be in flight).
         self._plain = ram_budget is None and self._segments is None
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
@@ -463,8 +464,7 @@ class LocalTable(RowTable):
         an evicted table is noticed. Otherwise the general path."""
         pf = self._prefetcher
         if (
-            self._cache is not None
-            or self._segments is not None
+            not self._plain
             or (pf is not None and pf.busy)
             or flat.size >= self._unsampled_rows
             or not self.mapped_state()
@@ -500,6 +500,7 @@ class LocalTable(RowTable):
         a = self._auto
         if (
             self._plain
+            and self._prefetcher is None
             and (a.mapped_ok if a is not None else self._mmap_only)
             and type(out) is np.ndarray
             and out.dtype is _U8
@@ -561,6 +562,7 @@ class LocalTable(RowTable):
         a = self._auto
         if (
             self._plain
+            and self._prefetcher is None
             and (a.mapped_ok if a is not None else self._mmap_only)
             and type(rowids) is np.ndarray
             and type(out) is np.ndarray
@@ -678,7 +680,6 @@ class LocalTable(RowTable):
             with self._prefetch_lock:
                 self.check_open()
                 if self._prefetcher is None:
-                    self._plain = False  # gathers must wait for rows in flight now
                     self._prefetcher = Prefetcher(self)
                 pf = self._prefetcher
         return pf
