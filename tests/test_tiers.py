@@ -262,6 +262,7 @@ def test_rss_budget_holds_vmrss_under_random_reads(tmp_path: Path) -> None:
     assert mapped == 0 and trims >= 1
     assert peak <= (8 << 20) + (4 << 20), peak  # the budget, plus 4 MB of slack
 
+
 def test_rss_budget_drops_vmrss(tmp_path: Path) -> None:
     """VmRSS itself falls once the mapping is trimmed (checked in a fresh process)."""
     engramdb.build(tmp_path, "t", ROW, [_rows(200_000)])
