@@ -58,8 +58,6 @@ _TIER_SAMPLE = 128
 _TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
 
 
-#: The fast path checks a large batch's pages with ``mincore`` every this many batches.
-_MINCORE_EVERY = 8
 _SMALL = 32  # ids checked in plain Python below this (cheaper than two numpy reductions)
 #: Default rate of the background warm a first cold read starts, bytes per second.
 WARM_RATE = "512M"
@@ -186,7 +184,6 @@ class LocalTable(RowTable):
             "prefetched_gathers": 0,
         }
         self._fast_counts = {"calls": 0, "rows": 0}  # the mapped fast paths
-        self._sampled = 0  # large fast-path batches (one in `_MINCORE_EVERY` runs mincore)
         self._cache: RowCache | None = None
         self._prefetcher: Prefetcher | None = None
         #: No RAM tier and a built table: the mapped fast paths may run
@@ -511,23 +508,19 @@ class LocalTable(RowTable):
 
     def _take_fast(self, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray) -> bool:
         """One gather of validated ids from the mapping, for the fast paths: a batch the
-        rule would sample checks ``1 + n // 65536`` of its pages with ``mincore`` every
-        `_MINCORE_EVERY` batches (False on a miss: nothing written, the caller takes the
-        general path). No lock;
+        rule would sample first checks ``1 + n // 65536`` of its pages with ``mincore``
+        (False on a miss: nothing written, the caller takes the general path). No lock;
         a slow gather (it faulted, or the machine was busy) reaches the rule's feedback."""
         n = ids.shape[0]
         a = self._auto
         if a is not None and n >= self._unsampled_rows:
-            self._sampled += 1
-            # One batch in `_MINCORE_EVERY` checks its pages: a ``mincore`` call cost ~40 us
-            # of a ~1 ms gather here (measured, probes/warm_gather.py); between checks the
-            # timing feedback below notices a faulting gather.
-            if self._sampled % _MINCORE_EVERY == 0:
-                k = min(a.samples, 1 + n // 65536)
-                base, rb = self._base, self.row_bytes
-                addrs = [base + r * rb for r in ids[:: max(1, n // k)][:k].tolist()]
-                if resident_count(addrs) != k:
-                    return False
+            # Checked every batch: one that faulted the evicted table in from the device would
+            # stall for ~n device reads (seconds), far more than a ``mincore`` costs.
+            k = min(a.samples, 1 + n // 65536)
+            base, rb = self._base, self.row_bytes
+            addrs = [base + r * rb for r in ids[:: max(1, n // k)][:k].tolist()]
+            if resident_count(addrs) != k:
+                return False
             a.count_mapped()
         return self._gather_fast(a, table, ids, out2d, n)
 
