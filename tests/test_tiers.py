@@ -432,3 +432,47 @@ def test_build_warm_info_memory_and_warm_hold(tmp_path: Path) -> None:
     assert code != 0 and "--lock-budget applies to --lock" in out
     code, out = _cli("warm", db, "--lock", "--lock-budget", "64K", "--seconds", "0", "-q")
     assert code == 0 and ("locked 0.00 GB" in out or "RLIMIT_MEMLOCK" in out), out
+
+
+def test_mapped_fast_paths_large_batches_and_errors(tmp_path: Path) -> None:
+    """In the mapped state `fetch_into` (any size) and `lookup_into` take the lock-free fast
+    path: bytes equal the source, a bad id raises `RowIdOutOfRange` naming it with ``out``
+    untouched, and an evicted table is noticed before the gather (the rule serves it)."""
+    data = _rows(40_000)
+    heads = [10_000, 30_000]
+    engramdb.build(tmp_path, "t", ROW, [data], heads=heads)
+    with engramdb.open(tmp_path, populate=True, background_warm=False) as db:
+        s = db["t"]
+        rng = np.random.default_rng(9)
+        s.fetch_into(rng.integers(0, s.n_rows, 4096), np.empty((4096, ROW), np.uint8))
+        before = s.stats()["small_gathers"]
+        ids = rng.integers(0, s.n_rows, 4096)
+        out = np.empty((4096, ROW), np.uint8)
+        assert np.array_equal(s.fetch_into(ids, out), data[ids])
+        local = np.stack([rng.integers(0, h, size=(4, 64)) for h in heads], axis=-1).astype(
+            np.int64
+        )
+        lo = np.empty((4, 64, 2, ROW), np.uint8)
+        assert np.array_equal(s.lookup_into(local, lo), data[local + s.head_offsets])
+        assert s.stats()["small_gathers"] >= before + 2  # both took the fast path
+        for bad in (-1, s.n_rows):
+            ids2 = ids.copy()
+            ids2[1234] = bad
+            out[:] = 7
+            with pytest.raises(RowIdOutOfRange, match=str(bad)):
+                s.fetch_into(ids2, out)
+            assert (out == 7).all()
+        local2 = local.copy()
+        local2[1, 2, 0] = heads[0]  # valid globally, out of range for head 0
+        lo[:] = 7
+        with pytest.raises(RowIdOutOfRange, match="head 0"):
+            s.lookup_into(local2, lo)
+        assert (lo == 7).all()
+        # the table evicted under the live store: the next large batch is checked first
+        cold0 = sum(v for k, v in s.stats()["choices"].items() if k != "mmap")
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(tmp_path / sh.path)
+        ids3 = rng.integers(0, s.n_rows, 4096)
+        assert np.array_equal(s.fetch_into(ids3, out), data[ids3])
+        assert sum(v for k, v in s.stats()["choices"].items() if k != "mmap") > cold0
