@@ -169,6 +169,8 @@ class LocalTable(RowTable):
             # fault the table into this process's RSS); resident rows come by buffered reads.
             mapped_bytes = self._tiers.length if self._tiers is not None else self.nbytes
             self._auto.serve_mapped = rss is None or rss >= mapped_bytes
+            if self._tiers is not None:
+                self._tiers.warm.on_done = self._auto.recheck_soon
         self._split = SplitDecision()
         self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
