@@ -2,6 +2,16 @@
 
     python probes/tier.py [--gb 1.0] [--budget-frac 0.05] [--batch 4096] [--reps 5]
                           [--zipf 1.1,1.2] [--dir D] [--keep]
+    python probes/tier.py --cold-start [--gb 0.5] [--ws-frac 0.05] [--seconds 10]
+
+``--cold-start``: does the RAM tier rescue a cold start? The table is evicted (its files
+``POSIX_FADV_DONTNEED``-ed, residency checked), opened with ``ram_budget`` above a working set
+of ``--ws-frac`` of the rows and a page-cache budget of 1 MB (the table does not fit: cold
+reads go to the device, no background warm, so only the tier can help). Batches of 16,384
+ids drawn uniformly from the working set for ``--seconds``: per second, rows/s and the
+tier's hit rate; the same batches through a store without a tier (also cold) for the
+all-cold rate; the converged tier rate is the median of the last 3 seconds. Prints when the
+rate first reached 0.8x the converged rate.
 
 Builds a Qwen-PLE-geometry table (~--gb GB) and deletes it at the end. The tier gets
 --budget-frac of the table's bytes (slab, index and presence bitmap all counted).
@@ -48,6 +58,103 @@ def zipf_ids(rng: np.random.Generator, a: float, perm: np.ndarray, n: int) -> np
     return perm[ranks[:n]]
 
 
+def per_second(s: engramdb.Store, sets: list[np.ndarray], seconds: int) -> list[dict]:
+    """Batches from ``sets`` (cycled) for ``seconds``: rows/s and tier hit rate per second."""
+    out = np.empty((sets[0].size, s.row_bytes), np.uint8)
+    rows: list[dict] = []
+    k = 0
+    t_start = time.perf_counter()
+    for sec in range(seconds):
+        st0 = s.stats().get("cache") or {}
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t_start < sec + 1:
+            s.fetch_into(sets[k % len(sets)], out)
+            k += 1
+            n += out.shape[0]
+        dt = time.perf_counter() - t0
+        st1 = s.stats().get("cache") or {}
+        hits = st1.get("hits", 0) - st0.get("hits", 0)
+        miss = st1.get("misses", 0) - st0.get("misses", 0)
+        rows.append(
+            {
+                "t": sec + 1,
+                "rows_per_s": n / dt,
+                "hit_rate": hits / max(1, hits + miss),
+                "choices": dict(s.stats().get("choices") or {}),
+            }
+        )
+    return rows
+
+
+def cold_start(args: argparse.Namespace) -> None:
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="edb-tier-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    try:
+        gb = args.gb if args.gb != 1.0 else 0.5
+        h = hasher_for_bytes(int(gb * 1e9))
+        db_path = build_table(work, h)
+        with engramdb.open(db_path) as d0:
+            n_rows, nbytes = d0["ple"].n_rows, d0["ple"].nbytes
+            ref = d0["ple"]
+            ws = rng.choice(n_rows, int(args.ws_frac * n_rows), replace=False).astype(np.int64)
+            sets = [rng.choice(ws, 16_384) for _ in range(64)]
+            check = ref.fetch(sets[0])
+            make_cold(ref)
+        budget = int(ws.size * 160 * 2.5) + (4 << 20)
+        print(
+            f"table {nbytes / 1e9:.2f} GB; working set {ws.size:,} rows "
+            f"({ws.size * 160 / 1e6:.0f} MB); ram_budget {budget / 1e6:.0f} MB; "
+            "page-cache budget 1 MB (the table does not fit)"
+        )
+        arms = {}
+        for label, kw in (
+            ("tier", {"ram_budget": budget}),
+            ("no tier", {}),
+        ):
+            with engramdb.open(db_path, page_cache_budget="1M", background_warm=False, **kw) as db:
+                s = db["ple"]
+                left = make_cold(s)
+                if left > 0.01:
+                    raise SystemExit(f"eviction failed: {left:.1%} resident")
+                assert np.array_equal(s.fetch(sets[0]), check)  # bytes equal the source
+                secs = args.seconds if label == "tier" else max(2, args.seconds // 3)
+                arms[label] = per_second(s, sets, secs)
+                st = s.stats()
+                print(f"{label}: choices {st.get('choices')}; cache {st.get('cache')}")
+                for r in arms[label]:
+                    print(
+                        f"  {label:7s} t={r['t']:2d}s  {r['rows_per_s'] / 1e6:7.3f} M rows/s"
+                        f"  tier hit rate {r['hit_rate']:.3f}"
+                    )
+        tier = arms["tier"]
+        final = median([r["rows_per_s"] for r in tier[-3:]])
+        cold = median([r["rows_per_s"] for r in arms["no tier"]])
+        conv = next((r["t"] for r in tier if r["rows_per_s"] >= 0.8 * final), None)
+        print(f"converged tier rate (median of the last 3 s) {final / 1e6:.3f} M rows/s")
+        print(f"all-cold rate (no tier, O_DIRECT)           {cold / 1e6:.3f} M rows/s")
+        print(f"RATIO tier converged / all-cold {final / cold:.1f}x")
+        print(f"reached >= 0.8x the converged rate at: {'never' if conv is None else f'{conv} s'}")
+        write_json(
+            "tier_cold_start",
+            {
+                "probe": "tier --cold-start",
+                "table_bytes": nbytes,
+                "working_set_rows": int(ws.size),
+                "ram_budget": budget,
+                "per_second": arms,
+                "converged_rows_per_s": final,
+                "all_cold_rows_per_s": cold,
+                "converged_at_s": conv,
+                "peak_rss_mb": vm_hwm_mb(),
+            },
+        )
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.0)
@@ -59,7 +166,13 @@ def main() -> None:
     ap.add_argument("--cold-batches", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--cold-start", action="store_true", help="only the cold-start arm")
+    ap.add_argument("--ws-frac", type=float, default=0.05, help="working set, share of rows")
+    ap.add_argument("--seconds", type=int, default=10)
     args = ap.parse_args()
+    if args.cold_start:
+        cold_start(args)
+        return
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="edb-tier-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -403,3 +403,30 @@ def test_io_uring_direct_falls_back_where_o_direct_is_refused(
         want = payload[0:100] + payload[7777:7877] + payload[49_900:]
         assert dest.tobytes() == want
         assert b.direct_fallbacks == 1
+
+
+def test_shard_mapping_is_2mib_aligned_and_reads_every_shard(tmp_path: Path) -> None:
+    """Shards map back to back from a 2 MiB-aligned address (so the kernel may map a page
+    cache huge folio with one PMD entry), the released head and tail of the reservation do
+    not break reads, and close unmaps it."""
+    from engramdb.io.mapping import HUGE, ShardMapping
+
+    rng = np.random.default_rng(4)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3 << 20, 1 << 20, 5000)]
+    fds = []
+    for i, p in enumerate(parts):
+        f = tmp_path / f"s{i}"
+        f.write_bytes(p.tobytes())
+        fds.append(os.open(f, os.O_RDONLY))
+    try:
+        m = ShardMapping(fds, [p.size for p in parts])
+        assert m.address % HUGE == 0
+        got = m.array(1, m.length).reshape(-1)
+        assert np.array_equal(got, np.concatenate(parts))
+        m.close()
+        small = ShardMapping(fds[2:], [parts[2].size])  # under 2 MiB: no extra reservation
+        assert np.array_equal(small.array(1, small.length).reshape(-1), parts[2])
+        small.close()
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -225,6 +225,44 @@ def test_rss_budget_trims_mapped_pages(tmp_path: Path) -> None:
         assert s.memory()["rss_file_bytes"] <= 8 << 20
 
 
+def test_rss_budget_holds_vmrss_under_random_reads(tmp_path: Path) -> None:
+    """A fresh process, a 48 MB table, ``rss_budget="8M"``: random `fetch_into`
+    batches stay bit-equal and VmRSS grows by no more than the budget (plus slack for the
+    interpreter's own allocations): resident rows come by buffered reads, not the mapping."""
+    data = _rows(300_000)
+    engramdb.build(tmp_path, "t", ROW, [data])
+    np.save(tmp_path / "ref.npy", data)
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, engramdb
+        from engramdb.io.tiers import process_rss
+        ref = np.load({str(tmp_path / "ref.npy")!r})
+        db = engramdb.open({str(tmp_path)!r}, rss_budget="8M", background_warm=False)
+        s = db["t"]
+        s.populate()
+        s.tiers.trim()
+        out = np.empty((4096, {ROW}), np.uint8)
+        rng = np.random.default_rng(5)
+        ids = rng.integers(0, s.n_rows, 4096)
+        s.fetch_into(ids, out)
+        base = process_rss()["VmRSS"]
+        peak = 0
+        for i in range(60):
+            ids = rng.integers(0, s.n_rows, 4096)
+            s.fetch_into(ids, out)
+            assert np.array_equal(out, ref[ids])
+            peak = max(peak, process_rss()["VmRSS"] - base)
+        print(peak, s.stats()["choices"].get("mmap", 0), s.tiers.trims)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    peak, mapped, trims = (int(x) for x in out.stdout.split())
+    assert mapped == 0 and trims >= 1
+    assert peak <= (8 << 20) + (4 << 20), peak  # the budget, plus 4 MB of slack
+
+
 def test_rss_budget_drops_vmrss(tmp_path: Path) -> None:
     """VmRSS itself falls once the mapping is trimmed (checked in a fresh process)."""
     engramdb.build(tmp_path, "t", ROW, [_rows(200_000)])
@@ -293,11 +331,18 @@ def test_keep_warm_rewarms_after_residency_loss(cold_db: tuple[Path, np.ndarray]
         s.populate()
         _cold(s)
         assert s.residency() < 0.5
+        few = np.arange(20_000, 20_300)  # 12 pages: the table stays cold
+        assert np.array_equal(s.fetch(few), data[few])  # cold: the rule leaves the mapping
+        assert not s.resident_state() and s.residency() < 0.5
+        ids = np.arange(0, s.n_rows, 13)
+        s.backend.recheck_s = 3600.0  # only the finished warm may bring the rule back
         s.tiers.check()  # what the watcher does every interval
         assert s.tiers.warm_starts >= 1 and s.tiers.warm.wait(60)
         assert s.residency() > 0.99
-        ids = np.arange(0, s.n_rows, 13)
+        mapped0 = s.stats()["choices"].get("mmap", 0)
         assert np.array_equal(s.fetch(ids), data[ids])
+        # the finished pass told the rule to look again at once (not recheck_s later)
+        assert s.stats()["choices"].get("mmap", 0) == mapped0 + 1 and s.resident_state()
 
 
 # -- the warm path ------------------------------------------------------------------------
@@ -394,3 +439,47 @@ def test_build_warm_info_memory_and_warm_hold(tmp_path: Path) -> None:
     assert code != 0 and "--lock-budget applies to --lock" in out
     code, out = _cli("warm", db, "--lock", "--lock-budget", "64K", "--seconds", "0", "-q")
     assert code == 0 and (" KiB, 0 re-warm" in out or " B, 0 re-warm" in out or "RLIMIT_MEMLOCK" in out), out
+
+
+def test_mapped_fast_paths_large_batches_and_errors(tmp_path: Path) -> None:
+    """In the mapped state `fetch_into` (any size) and `lookup_into` take the lock-free fast
+    path: bytes equal the source, a bad id raises `RowIdOutOfRange` naming it with ``out``
+    untouched, and an evicted table is noticed before the gather (the rule serves it)."""
+    data = _rows(40_000)
+    heads = [10_000, 30_000]
+    engramdb.build(tmp_path, "t", ROW, [data], heads=heads)
+    with engramdb.open(tmp_path, populate=True, background_warm=False) as db:
+        s = db["t"]
+        rng = np.random.default_rng(9)
+        s.fetch_into(rng.integers(0, s.n_rows, 4096), np.empty((4096, ROW), np.uint8))
+        before = s.stats()["small_gathers"]
+        ids = rng.integers(0, s.n_rows, 4096)
+        out = np.empty((4096, ROW), np.uint8)
+        assert np.array_equal(s.fetch_into(ids, out), data[ids])
+        local = np.stack([rng.integers(0, h, size=(4, 64)) for h in heads], axis=-1).astype(
+            np.int64
+        )
+        lo = np.empty((4, 64, 2, ROW), np.uint8)
+        assert np.array_equal(s.lookup_into(local, lo), data[local + s.head_offsets])
+        assert s.stats()["small_gathers"] >= before + 2  # both took the fast path
+        for bad in (-1, s.n_rows):
+            ids2 = ids.copy()
+            ids2[1234] = bad
+            out[:] = 7
+            with pytest.raises(RowIdOutOfRange, match=str(bad)):
+                s.fetch_into(ids2, out)
+            assert (out == 7).all()
+        local2 = local.copy()
+        local2[1, 2, 0] = heads[0]  # valid globally, out of range for head 0
+        lo[:] = 7
+        with pytest.raises(RowIdOutOfRange, match="head 0"):
+            s.lookup_into(local2, lo)
+        assert (lo == 7).all()
+        # the table evicted under the live store: the next large batch is checked first
+        cold0 = sum(v for k, v in s.stats()["choices"].items() if k != "mmap")
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(tmp_path / sh.path)
+        ids3 = rng.integers(0, s.n_rows, 4096)
+        assert np.array_equal(s.fetch_into(ids3, out), data[ids3])
+        assert sum(v for k, v in s.stats()["choices"].items() if k != "mmap") > cold0

@@ -127,6 +127,10 @@ def unmap_range(addr: int, length: int) -> None:
     _libc.munmap(addr, length)
 
 
+#: The size of a PMD mapping (a 2 MiB page) on x86-64 and arm64 with 4 KiB pages.
+HUGE = 2 << 20
+
+
 class ShardMapping:
     """Read-only mapping of shard files laid end to end.
 
@@ -145,12 +149,29 @@ class ShardMapping:
         self.length = sum(int(s) for s in sizes)
         self._reserved = max(PAGE, sum(self._spans))
         self._lock = threading.Lock()
-        base = _libc.mmap(
-            None, self._reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
+        # Reserved 2 MiB-aligned (the head and tail of a larger reservation released): the
+        # kernel maps a page-cache folio of 2 MiB with one PMD entry only when file offset
+        # and address agree modulo 2 MiB. Measured on a view of 2560 B records whose page
+        # cache held such folios: np.take through an unaligned mapping ran 0.86-0.88x one
+        # through an aligned np.memmap of the same file (TLB misses).
+        extra = HUGE if self._reserved >= HUGE else 0
+        raw = _libc.mmap(
+            None,
+            self._reserved + extra,
+            PROT_NONE,
+            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+            -1,
+            0,
         )
-        if base in (None, _MAP_FAILED):
+        if raw in (None, _MAP_FAILED):
             e = ctypes.get_errno()
             raise OSError(e, f"cannot reserve {self._reserved} bytes: {os.strerror(e)}")
+        raw = int(raw)
+        base = -(-raw // HUGE) * HUGE if extra else raw
+        if base > raw:
+            _libc.munmap(raw, base - raw)
+        if raw + extra > base:
+            _libc.munmap(base + self._reserved, raw + extra - base)
         self._base: int | None = int(base)
         try:
             pos = self._base

@@ -294,6 +294,12 @@ class AutoBackend(Backend):
             self._suspect = True
             self.mapped_ok = False
 
+    def recheck_soon(self) -> None:
+        """Make the next batch in a cold state sample residency (a warm pass just finished:
+        waiting out ``recheck_s`` would serve resident rows by syscalls meanwhile). Thread-safe
+        (one attribute write)."""
+        self._checked = -float("inf")
+
     def count_mapped(self) -> None:
         """Count a batch a caller served from the mapping after its own residency check
         (no lock: under concurrent callers a count may be lost, never a read)."""

@@ -25,7 +25,7 @@ import re
 import resource
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engramdb.errors import InvalidArgument, MemoryLockRefused
 from engramdb.io.mapping import LIBC, MADV_DONTNEED, madvise, populate_range, range_pages
@@ -215,6 +215,8 @@ class BackgroundWarm:
         self.bytes_read = 0  # bytes read from files (skipped resident chunks not counted)
         self.bytes_added = 0  # page-cache pages this pass brought in, in bytes
         self.passes = 0
+        #: Called (from the warm thread) when a pass finished reading the whole table.
+        self.on_done: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -259,6 +261,9 @@ class BackgroundWarm:
             if reason and not self.reason:
                 self.reason = reason
             self.passes += 1
+        done = self.on_done
+        if state == "done" and done is not None:
+            done()  # e.g. the read rule checks residency at its next batch, not 0.25 s later
 
     def _run(self) -> None:
         t0 = time.monotonic()

@@ -34,7 +34,7 @@ import numpy as np
 from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
-from engramdb.io.gather import SplitDecision
+from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, take_rows
 from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
 from engramdb.io.residency import resident_count
 from engramdb.io.select import AutoBackend
@@ -47,7 +47,7 @@ from engramdb.read.plan import ReadPlan, assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
-from engramdb.validate import check_batch, check_bounds
+from engramdb.validate import MAX_ROWS_PER_CALL, check_batch, check_bounds
 
 __all__ = ["LocalTable"]
 
@@ -169,11 +169,12 @@ class LocalTable(RowTable):
             # fault the table into this process's RSS); resident rows come by buffered reads.
             mapped_bytes = self._tiers.length if self._tiers is not None else self.nbytes
             self._auto.serve_mapped = rss is None or rss >= mapped_bytes
+            if self._tiers is not None:
+                self._tiers.warm.on_done = self._auto.recheck_soon
         self._split = SplitDecision()
+        self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
         self._unsampled_rows = b.min_sampled if isinstance(b, AutoBackend) else 0
-        # fetch_into's fast path: batches the rule would not sample (auto), or small ones.
-        self._fast_rows = self._unsampled_rows or 256
         self._mmap_only = b.name == "mmap"
         self._base = self._mapping.address if isinstance(self._mapping, ShardMapping) else 0
         self._fd_array = np.asarray(self._fds, dtype=np.int32)
@@ -184,9 +185,12 @@ class LocalTable(RowTable):
             "small_gathers": 0,
             "prefetched_gathers": 0,
         }
-        self._fast_counts = {"calls": 0, "rows": 0}  # fetch_into's fast path
+        self._fast_counts = {"calls": 0, "rows": 0}  # the mapped fast paths
         self._cache: RowCache | None = None
         self._prefetcher: Prefetcher | None = None
+        #: No RAM tier and a built table: the mapped fast paths may run
+        #: (`fetch_into` / `lookup_into` also need no prefetcher: rows may be in flight).
+        self._plain = ram_budget is None and self._segments is None
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
         if ram_budget is not None:
@@ -499,47 +503,142 @@ class LocalTable(RowTable):
         c["prefetched_gathers"] += 1
 
     # -- the read surface, with the mapped fast path -----------------------------------------
-    def fetch_into(self, rowids: Any, out: np.ndarray) -> np.ndarray:
-        """See `RowTable.fetch_into`. While the table is served from the mapping, a batch
-        of int64 ids below the rule's sampling size is one bounds check (plain Python for a
-        few ids) and one ``np.take``: no lock, no backend call."""
+    def _fast_table(self, out: np.ndarray) -> np.ndarray | None:
+        """The mapped table when a batch may skip the general path: served from the mapping
+        (``auto`` in its mapped state, or the mmap backend), no RAM tier, no prefetcher, a
+        built table, and ``out`` a plain C-contiguous writable uint8 array. Else None."""
         a = self._auto
         if (
-            (a.mapped_ok if a is not None else self._mmap_only)
-            and self._cache is None
+            self._plain
             and self._prefetcher is None
+            and (a.mapped_ok if a is not None else self._mmap_only)
+            and type(out) is np.ndarray
+            and out.dtype is _U8
+            and out.flags.carray  # C-contiguous, aligned and writable
+        ):
+            return self._table
+        return None
+
+    def _take_fast(self, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray) -> bool:
+        """One gather of validated ids from the mapping, for the fast paths: a batch the
+        rule would sample first checks ``1 + n // 65536`` of its pages with ``mincore``
+        (False on a miss: nothing written, the caller takes the general path). No lock;
+        a slow gather (it faulted, or the machine was busy) reaches the rule's feedback."""
+        n = ids.shape[0]
+        a = self._auto
+        if a is not None and n >= self._unsampled_rows:
+            # Checked every batch: one that faulted the evicted table in from the device would
+            # stall for ~n device reads (seconds), far more than a ``mincore`` costs.
+            k = min(a.samples, 1 + n // 65536)
+            base, rb = self._base, self.row_bytes
+            addrs = [base + r * rb for r in ids[:: max(1, n // k)][:k].tolist()]
+            if resident_count(addrs) != k:
+                return False
+            a.count_mapped()
+        return self._gather_fast(a, table, ids, out2d, n)
+
+    def _gather_fast(
+        self, a: AutoBackend | None, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray, n: int
+    ) -> bool:
+        sd = self._split
+        if n * self.row_bytes >= PARALLEL_MIN_BYTES and sd.allowed:
+            split = sd.pick()  # splits only while observed timings say it pays
+            t0 = _clock()
+            if split:
+                take_rows(table, ids, out2d)
+            else:
+                table.take(ids, 0, out2d, "clip")
+            dt = _clock() - t0
+            sd.report(split, n, dt)
+        else:
+            t0 = _clock()
+            table.take(ids, 0, out2d, "clip")  # the method: no dispatch wrapper (~0.7 us)
+            dt = _clock() - t0
+        if a is not None and dt * 1e6 > a.slow_us * n:
+            a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
+        c = self._fast_counts
+        c["calls"] += 1
+        c["rows"] += n
+        return True
+
+    def fetch_into(self, rowids: Any, out: np.ndarray) -> np.ndarray:
+        """See `RowTable.fetch_into`. While the table is served from the mapping, a 1-D
+        batch of int64 ids is one bounds check (plain Python for a few ids, else one
+        ``max`` of the ids viewed unsigned) and one ``np.take``: no lock, no backend call."""
+        a = self._auto
+        if (
+            self._plain
+            and self._prefetcher is None
+            and (a.mapped_ok if a is not None else self._mmap_only)
             and type(rowids) is np.ndarray
             and type(out) is np.ndarray
             and rowids.dtype is _I64
             and out.dtype is _U8
-            and out.flags.carray  # C-contiguous, aligned and writable
             and rowids.ndim == 1
-            and 0 < (n := rowids.shape[0]) < self._fast_rows
-            and out.shape == (n, self.row_bytes)
+            and out.flags.carray  # C-contiguous, aligned and writable
+            and out.shape == ((n := rowids.shape[0]), self.row_bytes)
+            and (table := self._table) is not None
         ):
-            if n <= _SMALL:
+            if 0 < n <= _SMALL:
+                # a decode step: the shortest path (no method calls, no numpy reductions)
                 ids = rowids.tolist()
                 if min(ids) < 0 or max(ids) >= self.n_rows:
                     check_bounds(rowids, self.n_rows)
-            else:
-                check_bounds(rowids, self.n_rows)
-            table = self._table
-            if table is None:
-                raise StoreClosed(f"table {self.name!r} is closed")
-            if (rowids.base is not None or out.base is not None) and np.may_share_memory(
-                rowids, out
-            ):
-                rowids = rowids.copy()  # the gather would overwrite ids it has not read yet
-            t0 = _clock()
-            table.take(rowids, 0, out, "clip")  # the method: no dispatch wrapper (~0.7 us)
-            dt = _clock() - t0
-            if a is not None and dt * 1e6 > a.slow_us * n:
-                a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
-            c = self._fast_counts
-            c["calls"] += 1
-            c["rows"] += n
-            return out
+                if (rowids.base is not None or out.base is not None) and np.may_share_memory(
+                    rowids, out
+                ):
+                    rowids = rowids.copy()  # the gather would overwrite ids not read yet
+                t0 = _clock()
+                table.take(rowids, 0, out, "clip")  # the method: no dispatch wrapper
+                dt = _clock() - t0
+                if a is not None and dt * 1e6 > a.slow_us * n:
+                    a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
+                c = self._fast_counts
+                c["calls"] += 1
+                c["rows"] += n
+                return out
+            if 0 < n <= MAX_ROWS_PER_CALL:
+                if int(rowids.view(np.uint64).max()) >= self.n_rows:
+                    check_bounds(rowids, self.n_rows)  # raises, naming the id
+                if (rowids.base is not None or out.base is not None) and np.may_share_memory(
+                    rowids, out
+                ):
+                    rowids = rowids.copy()
+                if self._take_fast(table, rowids, out):
+                    return out
         return RowTable.fetch_into(self, rowids, out)
+
+    def lookup_into(self, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """See `RowTable.lookup_into`. While the table is served from the mapping: one
+        per-head ``max`` (the bounds check), one add of the head offsets into a reused id
+        buffer, one ``np.take`` — no lock, no backend call."""
+        table = self._fast_table(out)
+        h = self.n_heads
+        if (
+            table is not None
+            and type(row_ids) is np.ndarray
+            and row_ids.dtype is _I64
+            and row_ids.flags.c_contiguous
+            and row_ids.ndim == 3
+            and row_ids.shape[2] == h
+            and 0 < (n := row_ids.size) <= MAX_ROWS_PER_CALL
+            and out.shape == row_ids.shape + (self.row_bytes,)
+        ):
+            local = row_ids.reshape(-1, h)
+            if bool((local.view(np.uint64).max(axis=0) < self._heads_u64).all()):
+                if (row_ids.base is not None or out.base is not None) and np.may_share_memory(
+                    row_ids, out
+                ):
+                    local = local.copy()
+                buf = getattr(self._ids_scratch, "ids", None)
+                if buf is None or buf.size < n:
+                    buf = np.empty(max(n, 1024), dtype=np.int64)
+                    self._ids_scratch.ids = buf
+                g = buf[:n]
+                np.add(local, self.head_offsets, out=g.reshape(-1, h))
+                if self._take_fast(table, g, out.reshape(n, self.row_bytes)):
+                    return out
+        return RowTable.lookup_into(self, row_ids, out)
 
     def fetch(self, rowids: Any) -> np.ndarray:
         """See `RowTable.fetch`; a large result comes from a pool of reused buffers (a
