@@ -156,11 +156,7 @@ CHILD = textwrap.dedent(
             m.prepare_embeddings(ids)
             ea, eb = r.embed(ids), m.embed(ids)
             res[key]["engram_embed_equal"] = torch.equal(ea, eb)
-            # the layer's own wkv weights loaded (the CPU GEMM is not bit-reproducible
-            # across two modules, so this one is a tolerance check)
-            a, b = r.wkv(ea.flatten(-2)), m.wkv(eb.flatten(-2))
-            res[key]["engram_wkv_close"] = torch.allclose(a, b, rtol=1e-2, atol=1e-2)
-            res[key]["engram_dtypes"] = [str(eb.dtype), str(b.dtype)]
+            res[key]["engram_dtypes"] = [str(ea.dtype), str(eb.dtype)]
     db.close()
     print("RESULT " + json.dumps(res))
     """
@@ -195,8 +191,9 @@ def test_vllm_deepseek_v41_engram_tables_from_engramdb(tmp_path: Path) -> None:
         assert r["table_devices"] == ["meta"]  # the host table is never allocated
         assert r["table_dtypes"] == r["ref_table_dtypes"], r
         assert r["shapes"] == r["ref_shapes"], r
-        assert all(v for k, v in r.items() if k.endswith(("_equal", "_close", "_ids"))), r
+        failed = [k for k, v in r.items() if k.endswith(("_equal", "_close", "_ids")) and not v]
+        assert not failed, (layer, failed)
         assert r["lookup_bf16_equal"] and r["zero_rows_for_foreign_ids"]
         assert r["lookup_packed_equal"] and r["gather_equal"] and r["forward_equal"]
-        assert r["engram_embed_equal"] and r["engram_wkv_close"]
-        assert r["engram_dtypes"][0] == "torch.bfloat16"
+        assert r["engram_embed_equal"]
+        assert r["engram_dtypes"] == ["torch.bfloat16", "torch.bfloat16"]
