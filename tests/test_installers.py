@@ -171,3 +171,118 @@ def test_engram_peft_layer_on_disk_table_equals_memory(tmp_path: Path, engram_pe
         assert torch.equal(got, want)
         assert undo.active
     assert layer_mod.MultiHeadEmbedding is original_cls
+
+
+# --- SGLang's own embedding class, from the sglang 0.5.23 wheel -----------------------------
+SGLANG = "sglang==0.5.23"
+
+
+def _sglang_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sglang wheel (not installable here: it requires torch 2.14.1), downloaded without
+    dependencies; ``ENGRAMDB_SGLANG_WHEEL`` names a local copy."""
+    import os
+    import subprocess
+
+    local = os.environ.get("ENGRAMDB_SGLANG_WHEEL")
+    if local:
+        return Path(local)
+    d = tmp_path_factory.mktemp("sglang")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", SGLANG, "--no-deps", "-q", "-d", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip download {SGLANG} timed out")
+    wheels = sorted(d.glob("sglang-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        pytest.skip(f"pip download {SGLANG} failed: {proc.stderr[-300:]}")
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def sglang_embedding(tmp_path_factory: pytest.TempPathFactory) -> type:
+    """SGLang's ``Gemma4TextScaledWordEmbedding``: the class source from the wheel, executed
+    alone (the module it lives in imports torchvision and SGLang's CUDA kernels)."""
+    import ast
+    import zipfile
+
+    with zipfile.ZipFile(_sglang_wheel(tmp_path_factory)) as z:
+        gemma3 = z.read("sglang/srt/models/gemma3_causal.py").decode()
+        gemma4 = z.read("sglang/srt/models/gemma4_causal.py").decode()
+    # Gemma 4's per-layer table class is Gemma 3's scaled embedding
+    assert "Gemma4TextScaledWordEmbedding = Gemma3TextScaledWordEmbedding" in gemma4
+    assert "embed_scale=self.hidden_size_per_layer_input**0.5" in gemma4
+    tree = ast.parse(gemma3)
+    (cls,) = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.ClassDef) and n.name == "Gemma3TextScaledWordEmbedding"
+    ]
+    ns: dict[str, object] = {"nn": nn, "torch": torch, "Optional": typing.Optional}
+    exec(compile(ast.Module([cls], []), "sglang/srt/models/gemma3_causal.py", "exec"), ns)
+    return ns["Gemma3TextScaledWordEmbedding"]  # type: ignore[return-value]
+
+
+def test_sglang_gemma4_scaled_embedding_keeps_its_scale(
+    sglang_embedding: type, tmp_path: Path
+) -> None:
+    hidden_per_layer = PER_LAYER
+
+    class Gemma4PleModel(nn.Module):
+        """The one statement of SGLang's ``Gemma4TextModel.__init__`` that builds the table."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens_per_layer = sglang_embedding(
+                VOCAB, LAYERS * hidden_per_layer, 0, embed_scale=hidden_per_layer**0.5
+            )
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(VOCAB, LAYERS * PER_LAYER, generator=g)
+    engramdb.build(
+        tmp_path, "ple", weight.shape[1] * 4, [weight.numpy().view(np.uint8)], dtype="f32"
+    )
+    ref = Gemma4PleModel()
+    ref.embed_tokens_per_layer.weight.data.copy_(weight)
+    ids = torch.tensor([[0, 5, 299, 17]])
+    with install_sglang_ple(Gemma4PleModel, engramdb.open(tmp_path)["ple"]):
+        m = Gemma4PleModel()
+    emb = m.embed_tokens_per_layer
+    assert float(emb.embed_scale) == 4.0  # sqrt(hidden_size_per_layer_input), the module's own
+    assert not [n for n, _ in m.named_parameters()]  # no table parameter kept
+    got, want = emb(ids), ref.embed_tokens_per_layer(ids)
+    assert got.dtype == want.dtype and torch.equal(got, want)  # not 4x too small
+    assert torch.equal(got[0, 1], weight[5] * 4.0)
+
+
+def test_ple_load_filter_is_anchored(tmp_path: Path) -> None:
+    """Only ``[prefix.]embed_tokens_per_layer.weight`` is the table: companions still load."""
+    seen: list[str] = []
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens_per_layer = nn.Embedding(VOCAB, LAYERS * PER_LAYER)
+
+        def load_weights(self, weights):  # type: ignore[no-untyped-def]
+            seen.extend(n for n, _ in weights)
+            return set(seen)
+
+    weight = torch.randn(VOCAB, LAYERS * PER_LAYER)
+    engramdb.build(
+        tmp_path, "ple", weight.shape[1] * 4, [weight.numpy().view(np.uint8)], dtype="f32"
+    )
+    names = [
+        "model.embed_tokens_per_layer.weight",
+        "embed_tokens_per_layer.weight",
+        "embed_tokens_per_layer.weight_scale",
+        "xembed_tokens_per_layer.weight",
+        "model.embed_tokens_per_layer.weight.extra",
+    ]
+    with install_sglang_ple(Model, engramdb.open(tmp_path)["ple"]):
+        Model().load_weights((n, None) for n in names)
+    assert seen == names[2:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -71,6 +72,44 @@ def _as_store(store: Any, table: str | None = None) -> RowTable:
     raise InvalidArgument(f"expected a Store, Database or path, got {type(store).__name__}")
 
 
+def _module_scale(module: Any) -> Any:
+    """The engine module's own output scale: SGLang's ``Gemma3TextScaledWordEmbedding`` (and
+    Gemma 4's, the same class) multiplies its rows by ``embed_scale`` in ``forward``. None
+    when the module has none (or it is 1)."""
+    scale = getattr(module, "embed_scale", None)
+    if scale is None:
+        return None
+    if hasattr(scale, "numel"):  # a tensor or buffer
+        if scale.numel() != 1:
+            raise InvalidArgument(f"embed_scale of {type(module).__name__} is not a scalar")
+        return scale.detach().clone()
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return None if float(scale) == 1.0 else scale
+    raise InvalidArgument(f"embed_scale of {type(module).__name__} is {scale!r}, not a number")
+
+
+class _ScaledRows:
+    """Marker base: the disk table times the engine module's ``embed_scale``."""
+
+    @staticmethod
+    def make(disk: Any, scale: Any) -> Any:
+        import torch
+
+        class ScaledDiskEmbedding(torch.nn.Module, _ScaledRows):
+            """``disk(ids) * embed_scale``: the engine module's forward, rows from disk."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.disk = disk
+                self.embed_scale = scale
+                self.embedding_dim = disk.embedding_dim
+
+            def forward(self, ids: Any) -> Any:
+                return self.disk(ids) * self.embed_scale
+
+        return ScaledDiskEmbedding()
+
+
 def _install_embedding_attr(
     model_cls: type,
     store: Any,
@@ -102,6 +141,8 @@ def _install_embedding_attr(
     if getattr(model_cls, marker, False):
         raise InvalidArgument(f"{model_cls.__name__}.{attr_name} is already patched for {engine}")
 
+    # exactly [prefix.]attr.weight: companions (attr.weight_scale, x_attr.weight) still load
+    table_weight = re.compile(rf"(^|\.){re.escape(attr_name)}\.weight$")
     had_setattr = "__setattr__" in model_cls.__dict__
     # the class's own or inherited instance __setattr__ (unbound: self, name, value)
     orig_setattr = cast(Callable[[Any, str, Any], None], model_cls.__setattr__)
@@ -110,14 +151,15 @@ def _install_embedding_attr(
 
     def patched_setattr(self: Any, name: str, value: Any) -> None:
         # Swap at assignment time: the engine's own module is dropped at once.
-        if name == attr_name and value is not disk:
+        if name == attr_name and value is not disk and not isinstance(value, _ScaledRows):
             old_dim = getattr(value, "embedding_dim", None)
             if isinstance(old_dim, int) and old_dim != disk.embedding_dim:
                 raise ShapeMismatch(
                     f"{type(self).__name__}.{attr_name} has embedding_dim {old_dim}, table "
                     f"{table.name!r} decodes to {disk.embedding_dim}"
                 )
-            value = disk
+            scale = _module_scale(value)
+            value = disk if scale is None else _ScaledRows.make(disk, scale)
         orig_setattr(self, name, value)
 
     model_cls.__setattr__ = patched_setattr  # type: ignore[method-assign,assignment]
@@ -126,7 +168,7 @@ def _install_embedding_attr(
         @functools.wraps(orig_load)
         def load_weights(self: Any, weights: Iterable[tuple[str, Any]], *a: Any, **kw: Any) -> Any:
             # The table is served from disk: never copy its tensor into the model.
-            kept = ((n, w) for n, w in weights if f"{attr_name}." not in f".{n}")
+            kept = ((n, w) for n, w in weights if not table_weight.search(n))
             return orig_load(self, kept, *a, **kw)
 
         model_cls.load_weights = load_weights  # type: ignore[attr-defined]

@@ -192,36 +192,71 @@ def install_vllm_gemma3n(store: Store) -> Any:
     )
 
 
-class DiskPLEEmbedding(DiskTableEmbedding):
-    """A Qwen4-Exp PLE table (one per PLE layer) over an EngramDB table: rows by global
-    n-gram id ``[T, heads] -> [T, heads, head_dim]``; ``weight`` is a meta tensor with the
-    engine table's shape and dtype (what the engine inspects; nothing is allocated)."""
+class DiskPLEEmbedding:
+    """A Qwen4-Exp PLE table (one per PLE layer) over an EngramDB table, mixed into the
+    engine's own ``Qwen4ExpPLEDeviceEmbedding`` (so ``isinstance`` and every engine method
+    but the row read stay the engine's). The engine's embedding method creates the
+    parameters through ``allocate_embedding_weight``, which returns a meta tensor (nothing
+    allocated); the FP8 method's ``weight_scale`` companion is a real parameter, loaded from
+    the checkpoint and applied by the engine's own ``dequantize``. ``forward`` returns rows
+    in the storage dtype (``weight.dtype``: FP8 E4M3 or the unquantized dtype) on the ids'
+    device, as ``F.embedding`` over the engine's table does; ``gather(ids, out=)`` fills a
+    caller-owned (e.g. pinned host) tensor."""
 
     supports_prefetch = False
+    store: Store
 
-    def __init__(self, store: Store, num_embeddings: int, embedding_dim: int, **kw: Any):
-        method = kw.pop("embedding_method", None)
-        if method is not None and "Unquantized" not in type(method).__name__:
-            raise InvalidArgument(
-                f"{kw.get('prefix', '')}: {type(method).__name__} tables (FP8 rows with a "
-                "weight_scale companion) are not served from EngramDB yet; unquantized only"
+    def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype: Any) -> Any:
+        return _torch().empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
+
+    def _check_table(self) -> None:
+        weight = self.weight  # type: ignore[attr-defined]
+        row = weight.shape[1] * weight.element_size()
+        if self.store.row_bytes != row:
+            raise ShapeMismatch(
+                f"table {self.store.name!r} rows are {self.store.row_bytes} B, the engine's "
+                f"{weight.dtype} rows of {weight.shape[1]} values are {row} B"
             )
-        params_dtype = kw.get("params_dtype")
-        super().__init__(
-            store, num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=kw["prefix"]
-        )
-        torch = _torch()
-        self.embedding_method = method
-        self.weight = torch.empty(
-            num_embeddings, embedding_dim, dtype=self.params_dtype, device="meta"
-        )
+        if self.tp_size != 1:  # type: ignore[attr-defined]
+            raise InvalidArgument("EngramDB PLE tables are served with tensor parallel size 1")
 
-    def dequantize(self, embeddings: Any, output_dtype: Any) -> Any:
-        """The unquantized method's semantics: rows are returned as they are."""
-        return embeddings
+    def _raw_rows(self, ids: Any) -> Any:
+        torch = _torch()
+        weight = self.weight  # type: ignore[attr-defined]
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        raw = self.store.fetch(flat)
+        return torch.from_numpy(raw).view(weight.dtype).reshape(*ids.shape, weight.shape[1])
+
+    def gather(self, ids: Any, out: Any) -> Any:
+        out.copy_(self._raw_rows(ids))
+        return out
+
+    def forward(self, ngram_ids: Any) -> Any:
+        return self._raw_rows(ngram_ids).to(ngram_ids.device)
 
     def start_prefetch(self, ngram_ids: Any) -> None:
         return None
+
+    def finalize_prefetch(self, total_tokens: int) -> Any:
+        raise InvalidArgument("the EngramDB PLE table has no prefetch (supports_prefetch False)")
+
+
+_qwen_classes: dict[int, Any] = {}
+
+
+def _qwen_disk_class(base: Any) -> Any:
+    cls = _qwen_classes.get(id(base))
+    if cls is None:
+
+        def __init__(self: Any, store: Store, *args: Any, **kwargs: Any) -> None:
+            object.__setattr__(self, "store", store)
+            base.__init__(self, *args, **kwargs)
+            self._check_table()
+
+        cls = type("DiskPLEEmbedding", (DiskPLEEmbedding, base), {"__init__": __init__})
+        cls.__module__ = __name__
+        _qwen_classes[id(base)] = cls
+    return cls
 
 
 _QWEN_TABLE = re.compile(r"^ngram_embedding\.(shard_\d+\.)?weight$")
@@ -252,16 +287,13 @@ def install_vllm_qwen4exp(tables: Any) -> Any:
     }
     current: list[int] = []
 
+    disk_cls = _qwen_disk_class(ne.Qwen4ExpPLEDeviceEmbedding)
+
     def embedding(num_embeddings: int, embedding_dim: int, **kw: Any) -> Any:
         layer = current[-1]
         if layer not in tables:
             raise InvalidArgument(f"no EngramDB table for PLE layer {layer} ({kw.get('prefix')})")
-        kw.pop("num_ngram_heads", None)
-        kw.pop("max_total_tokens", None)
-        kw.pop("data_parallel_rank", None)
-        kw.pop("reduce_results", None)
-        kw.pop("padding_size", None)
-        return DiskPLEEmbedding(tables[layer], num_embeddings, embedding_dim, **kw)
+        return disk_cls(tables[layer], num_embeddings, embedding_dim, **kw)
 
     def init(
         self: Any, config: Any, embedding_dim: int, ple_dense_layer_id: int, *a: Any, **kw: Any
