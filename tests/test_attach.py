@@ -205,6 +205,25 @@ def test_raw_shard_directory(tmp_path: Path, rng: np.random.Generator) -> None:
         engramdb.attach(tmp_path / "db2", "t", [d], row_bytes=7)
 
 
+def test_raw_npy_file_skips_its_header(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A ``.npy`` attached as raw rows: its header is not rows (300 rows stay 300, each equal
+    to the array's), on every backend; Fortran order and a short file are refused."""
+    rows = rng.integers(0, 256, size=(300, 40), dtype=np.uint8)
+    np.save(tmp_path / "emb.npy", rows)
+    engramdb.attach(tmp_path / "db", "t", [tmp_path / "emb.npy"], row_bytes=40)
+    for backend in ("mmap", "preadv", "io_uring"):
+        with engramdb.open(tmp_path / "db", backend=backend) as db:
+            assert db["t"].n_rows == 300
+            assert np.array_equal(db["t"].fetch(np.arange(300)[::-1]), rows[::-1])
+    np.save(tmp_path / "f.npy", np.asfortranarray(rows))
+    with pytest.raises(SourceError, match="Fortran"):
+        engramdb.attach(tmp_path / "db2", "t", [tmp_path / "f.npy"], row_bytes=40)
+    whole = (tmp_path / "emb.npy").read_bytes()
+    (tmp_path / "short.npy").write_bytes(whole[:-40])
+    with pytest.raises(SourceError, match="describes 12000 data bytes"):
+        engramdb.attach(tmp_path / "db3", "t", [tmp_path / "short.npy"], row_bytes=40)
+
+
 def hostile(
     path: Path, header: dict[str, Any], data: bytes = b"\0" * 64, n: int | None = None
 ) -> Path:

@@ -211,3 +211,23 @@ main(["demo", {str(tmp_path / "demo")!r}, "--seconds", "0.2"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "M rows/s" in r.stdout
     shutil.rmtree(tmp_path / "demo", ignore_errors=True)
+
+
+def test_demo_json_is_one_document_of_its_steps(tmp_path: Path) -> None:
+    """`engramdb demo --json`: the eight steps, each with a figure and (but the serve round
+    trip's) a baseline, and the notes saying where the files went."""
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from engramdb.cli import main as cli_main
+
+    r = CliRunner().invoke(
+        cli_main, ["demo", str(tmp_path / "d"), "--seconds", "0.05", "--clean", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    doc = _json.loads(r.output)
+    assert [s["step"] for s in doc["steps"]] == list(range(1, 9))
+    assert all(s["figure"] and s["of"] == 8 for s in doc["steps"])
+    assert sum(s["baseline"] is not None for s in doc["steps"]) >= 6
+    assert any("removed" in n for n in doc["notes"]) and not (tmp_path / "d").exists()

@@ -170,3 +170,26 @@ def test_build_waits_for_a_writer_and_does_not_time_the_wait(
     assert "got the writer lock after" in err
     m = re.search(r"in 1 shard\(s\), ([0-9.]+) s", out)
     assert m and float(m.group(1)) < 1.0, out  # the 1.5 s wait is not build time
+
+
+def test_library_build_does_not_time_a_wait_for_the_writer_lock(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """`engramdb.build` called while another writer holds the lock waits, and its summary's
+    seconds count from the moment it got the lock."""
+    from engramdb.build.table import build
+
+    rows = rng.integers(0, 256, (100, 64), dtype=np.uint8)
+    db = tmp_path / "db"
+    build(db, "a", 64, [rows])
+    fd = os.open(db / LOCK_NAME, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    got: dict[str, float] = {}
+    worker = threading.Thread(target=lambda: got.update(s=build(db, "b", 64, [rows]).seconds))
+    t0 = time.perf_counter()
+    worker.start()
+    time.sleep(1.0)
+    assert worker.is_alive()  # blocked on the lock
+    os.close(fd)
+    worker.join(60)
+    assert time.perf_counter() - t0 >= 1.0 and got["s"] < 0.9, got

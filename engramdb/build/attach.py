@@ -116,22 +116,54 @@ def _column(tensors: list[tuple[int, TensorEntry]], what: str) -> tuple[SourceCo
     return SourceColumn(width, tuple(runs)), [t.rows for _i, t in tensors]
 
 
+def _npy_data(path: str) -> tuple[int, int] | None:
+    """(data offset, data bytes) of a ``.npy`` file (C order, fixed-width dtype), or None
+    when ``path`` is not one: its header is not row bytes."""
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            return None
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (
+                np.lib.format.read_array_header_1_0(f)
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0(f)
+            )
+        except ValueError as e:
+            raise SourceError(f"raw source {path!r}: unreadable .npy header ({e})") from None
+        if fortran or dtype.hasobject:
+            raise SourceError(
+                f"raw source {path!r}: a .npy of {'Fortran order' if fortran else 'objects'} "
+                "has no row-major rows"
+            )
+        return f.tell(), int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _raw_column(
     paths: list[str], row_bytes: int, rows_per_shard: int | None
 ) -> tuple[SourceColumn, list[int]]:
     runs = []
     for i, p in enumerate(paths):
         size = os.stat(p).st_size
-        if size == 0 or size % row_bytes:
+        npy = _npy_data(p)
+        offset, nbytes = npy if npy is not None else (0, size)
+        if npy is not None and offset + nbytes > size:
             raise SourceError(
-                f"raw source {p!r}: {size} bytes is not a whole number of {row_bytes} B rows"
+                f"raw source {p!r}: its .npy header describes {nbytes} data bytes, the file "
+                f"holds {size - offset}"
             )
-        rows = size // row_bytes
+        if nbytes == 0 or nbytes % row_bytes:
+            raise SourceError(
+                f"raw source {p!r}: {nbytes} data bytes is not a whole number of "
+                f"--row-bytes {row_bytes} rows"
+            )
+        rows = nbytes // row_bytes
         if rows_per_shard is not None and i < len(paths) - 1 and rows != rows_per_shard:
             raise SourceError(
                 f"raw source {p!r} holds {rows} rows, --rows-per-shard says {rows_per_shard}"
             )
-        runs.append(SourceRun(i, 0, rows, None))
+        runs.append(SourceRun(i, offset, rows, None))
     return SourceColumn(row_bytes, tuple(runs)), [sum(r.rows for r in runs)]
 
 

@@ -457,7 +457,9 @@ def build_index(
 
     out_dir = db / table_name / "index"
     progress_phase(progress, "writing index", None, "B")
+    asked = time.perf_counter()
     with database_lock(db):
+        started += time.perf_counter() - asked  # a wait for the writer lock is not index time
         # the whole set is written into a staging directory and published in one atomic
         # switch (`publish_dir`), under the writer lock: a kill at any moment leaves the
         # previous index intact and a staging directory that the next writer (or

@@ -432,8 +432,8 @@ def build(
 
     db = Path(db_path)
     db.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     with database_lock(db):
+        t0 = time.perf_counter()  # a wait for another writer's lock is not build time
         current = read_manifest_or_empty(db)
         if table in current.tables and not force:
             raise TableExists(

@@ -200,8 +200,8 @@ def build_view(
         raise InvalidArgument(f"batch_bytes must be positive, got {batch_bytes}")
     budget = None if disk_budget is None else parse_size(disk_budget)
     db = Path(db_path)
-    t0 = time.perf_counter()
     with database_lock(db):
+        t0 = time.perf_counter()  # a wait for another writer's lock is not build time
         current = read_manifest_or_empty(db)
         info = current.tables.get(table)
         if info is None:
