@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
@@ -271,15 +272,16 @@ def install_vllm_qwen4exp(tables: Any) -> Any:
     stay the engine's and load from the checkpoint; exactly ``ngram_embedding.weight`` and
     its ``ngram_embedding.shard_{i}.weight`` parts are skipped at load. Returns an `Undo`."""
     _vllm_models()
-    from vllm.models.qwen4_exp.nvidia import ngram_embedding as ne
+    # Any: the engine's classes are patched in place, which their own annotations forbid
+    ne: Any = importlib.import_module("vllm.models.qwen4_exp.nvidia.ngram_embedding")
 
     if not isinstance(tables, dict) or not tables:
         raise InvalidArgument("tables must map ple_dense_layer_id -> EngramDB Store")
     for k, v in tables.items():
         if not isinstance(v, Store):
             raise InvalidArgument(f"tables[{k!r}] must be an EngramDB Store")
-    cls = ne.Qwen4ExpNGramEmbedding
-    originals = {
+    cls: Any = ne.Qwen4ExpNGramEmbedding
+    originals: dict[str, Any] = {
         "init": cls.__init__,
         "load": cls.load_weights,
         "device": ne.Qwen4ExpPLEDeviceEmbedding,
