@@ -340,6 +340,8 @@ def main() -> None:
                 order = ["access", "random"] if r % 2 == 0 else ["random", "access"]
                 for name, v in cold_views.items():
                     for o in order:
+                        for other in cold_views.values():  # both map the file: drop both
+                            other.evict()
                         res = measure_throughput(
                             v, order=o, cold=True, records=args.cold_records, batch=BATCH, seed=r
                         )
