@@ -483,3 +483,27 @@ def test_mapped_fast_paths_large_batches_and_errors(tmp_path: Path) -> None:
         ids3 = rng.integers(0, s.n_rows, 4096)
         assert np.array_equal(s.fetch_into(ids3, out), data[ids3])
         assert sum(v for k, v in s.stats()["choices"].items() if k != "mmap") > cold0
+
+
+def test_small_fast_path_checks_every_id(tmp_path: Path) -> None:
+    """A decode-sized `fetch_into` (≤ 32 ids) in the mapped state: strided ids are served
+    right, and -1, n_rows and the most negative int64 each raise `RowIdOutOfRange` naming
+    the id, with ``out`` untouched, on every one of many calls (the timing sample is one
+    call in 8; the bounds check is every call)."""
+    data = _rows(5_000)
+    engramdb.build(tmp_path, "t", ROW, [data])
+    with engramdb.open(tmp_path, populate=True, background_warm=False) as db:
+        s = db["t"]
+        out = np.empty((4, ROW), np.uint8)
+        ids = np.arange(16, dtype=np.int64) * 7
+        for _ in range(3):
+            s.fetch_into(ids[::4], out)  # the rule reaches its mapped state
+        before = s.stats()["small_gathers"]
+        for _ in range(16):
+            assert np.array_equal(s.fetch_into(ids[::4], out), data[ids[::4]])
+            for bad in (-1, s.n_rows, -(2**63)):
+                out[:] = 7
+                with pytest.raises(RowIdOutOfRange, match=str(bad)):
+                    s.fetch_into(np.array([1, bad, 3, 4], dtype=np.int64), out)
+                assert (out == 7).all()
+        assert s.stats()["small_gathers"] >= before + 16

@@ -584,7 +584,7 @@ class LocalTable(RowTable):
                 # one max over the ids' bytes read as unsigned (a negative id is huge); a
                 # strided id array cannot be cast: it is checked by numpy instead
                 try:
-                    top = max(memoryview(rowids).cast("B").cast("Q"))
+                    top = max(rowids.data.cast("B").cast("Q"))
                 except TypeError:
                     top = int(rowids.view(np.uint64).max())
                 if top >= self.n_rows:
