@@ -33,6 +33,7 @@ from engramdb.decode import Decoder
 from engramdb.io.select import BACKENDS
 from engramdb.io.uring import IoUringBackend
 from engramdb.stream import stream
+from engramdb.testing.pages import evict
 from engramdb.view import View
 
 #: Top-level keys of the document `run_bench` returns (and ``--json`` writes).
@@ -110,17 +111,6 @@ def _rate(fn: Callable[[], int], seconds: float) -> float:
         dt = time.perf_counter() - t0
         if dt >= seconds:
             return done / dt
-
-
-def _evict(paths: list[Path]) -> None:
-    """Drop these files from the page cache (POSIX_FADV_DONTNEED; never drop_caches)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _fio(path: Path, seconds: float) -> dict[str, Any] | None:
@@ -281,7 +271,8 @@ def _cold(
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
     rng = np.random.default_rng(2)
-    _evict(shards)
+    for shard in shards:
+        evict(shard)  # POSIX_FADV_DONTNEED of these files only, never drop_caches
     resident_before = store.residency()
     count = min(n, cfg["cold_rows"])
     ids = rng.permutation(n)[:count].astype(np.int64)
@@ -313,7 +304,8 @@ def _convergence(
     store: Any, shards: list[Path], n: int, cfg: dict[str, Any]
 ) -> list[dict[str, Any]]:
     rng = np.random.default_rng(3)
-    _evict(shards)
+    for shard in shards:
+        evict(shard)  # POSIX_FADV_DONTNEED of these files only, never drop_caches
     out = np.empty((4096, ROW_BYTES), np.uint8)
     series: list[dict[str, Any]] = []
     t0 = time.perf_counter()

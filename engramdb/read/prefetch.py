@@ -182,6 +182,7 @@ class Prefetcher:
 
     def __repr__(self) -> str:
         return f"Prefetcher(table={getattr(self.store, 'name', '?')!r}, depth={self.depth})"
+
     def submit(self, rowids: Any) -> Ticket:
         """Queue a background read of global ``rowids``. Never raises for bad ids: an id out of
         range fails the ticket, and the error surfaces where the rows are fetched."""
@@ -358,6 +359,15 @@ class Prefetcher:
             return int(missing.size)
         # Page cache: one buffered batch with every row in flight (O_DIRECT would bypass the
         # cache), then a gather through the mapping to install the page-table entries.
+        self._read_buffered(ids)
+        rows = store.scratch("prefetch", ids.size * store.row_bytes)
+        store.take_mapped(ids, rows.reshape(ids.size, store.row_bytes))
+        return int(ids.size)
+
+    def _read_buffered(self, ids: np.ndarray) -> tuple[ReadPlan, np.ndarray]:
+        """One buffered batch (through the page cache) of ``ids``' pages into the store's
+        ``prefetch_io`` scratch; returns the read plan and the scratch."""
+        store = self.store
         if self._buffered is None:
             self._buffered = cold_backend(direct=False)
         plan = store.plan_for(ids)
@@ -365,9 +375,7 @@ class Prefetcher:
         self._buffered.read(
             store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
         )
-        rows = store.scratch("prefetch", ids.size * store.row_bytes)
-        store.take_mapped(ids, rows.reshape(ids.size, store.row_bytes))
-        return int(ids.size)
+        return plan, scratch
 
     def _read_kept(self, t: Ticket) -> int:
         """Page cache, rows kept on the ticket: one buffered batch read straight into one of
@@ -377,13 +385,7 @@ class Prefetcher:
             t.uids, t.rows = t.ids[:0], np.zeros((0, store.row_bytes), np.uint8)
             return 0
         ids = np.unique(t.ids)
-        if self._buffered is None:
-            self._buffered = cold_backend(direct=False)
-        plan = store.plan_for(ids)
-        scratch = store.scratch("prefetch_io", plan.scratch_bytes)
-        self._buffered.read(
-            store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
-        )
+        plan, scratch = self._read_buffered(ids)
         self._slot ^= 1
         name = f"prefetch_rows{self._slot}"
         rows = store.scratch(name, ids.size * store.row_bytes).reshape(ids.size, store.row_bytes)
