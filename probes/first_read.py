@@ -14,7 +14,8 @@ the files evicted before it, residency checked):
   * ``post-warm``: the same store after `engramdb warm` (populate): the rate to converge to;
   * ``budget 50%``: `open(page_cache_budget=nbytes / 2)`: the table does not fit, so cold
     reads stay O_DIRECT and no background warm starts; per second rows/s and the page-cache
-    bytes it added;
+    bytes it added; then the ratio to ``all-cold`` paired (both stores open on one cold
+    table, batches alternated, so the device's drift between phases cancels);
   * ``rss25``: `open(rss_budget=nbytes / 4)` on the resident table, populated: per second the
     table's mapped RSS (smaps) and VmRSS while the watcher trims;
   * ``kw``: `open(keep_warm=True)`, populated, then the pages are lost (the mapping's pages
@@ -187,6 +188,34 @@ def main() -> None:
             fits_half = s.memory()["fits"]
         half_rate = median([r["rows_per_s"] for r in half])
 
+        # --- the same two, paired: one cold device, batches alternated A B / B A, so the
+        # device's drift over a run (10-15 % here) cancels; neither warms the page cache
+        make_cold(tmp)
+        with (
+            engramdb.open(tmp, direct=True, background_warm=False) as db1,
+            engramdb.open(tmp, page_cache_budget=budget) as db2,
+        ):
+            pair_t: dict[str, list[float]] = {"all-cold": [], "budget50": []}
+            arms = {"all-cold": db1["t"], "budget50": db2["t"]}
+            buf = np.empty((BATCH, ROW), dtype=np.uint8)
+            t_end = time.perf_counter() + short
+            j = 0
+            while time.perf_counter() < t_end:
+                order = list(arms) if j % 2 == 0 else list(arms)[::-1]
+                for name in order:
+                    ids = rng.integers(0, n_rows, BATCH)
+                    t0 = time.perf_counter()
+                    arms[name].fetch_into(ids, buf)
+                    pair_t[name].append(time.perf_counter() - t0)
+                j += 1
+            assert np.array_equal(buf, rows_of(ids)), "paired: bytes differ"
+            pair_added = arms["budget50"].memory()["page_cache_resident_bytes"]
+        pair_ratio = median(pair_t["all-cold"]) / median(pair_t["budget50"])
+        print(
+            f"  paired {len(pair_t['budget50'])} batch pairs: budget50 / all-cold rate "
+            f"{pair_ratio:.2f}x; page cache resident after {pair_added / 1e6:.1f} MB"
+        )
+
         # --- rss_budget: a quarter of the table, table resident, random reads ---------------
         rss_budget = nbytes // 4
         print(f"rss_budget = 25 % ({rss_budget / 1e6:.0f} MB), table resident, {short} s")
@@ -236,6 +265,10 @@ def main() -> None:
             f"{added / 1e6:.1f} MB of a {budget / 1e6:.0f} MB budget"
         )
         print(
+            f"budget 50 % paired          {pair_ratio:.2f}x all-cold (batches alternated, "
+            f"{len(pair_t['budget50'])} pairs)"
+        )
+        print(
             f"rss_budget 25 %            mapped table RSS max {rss_max / 1e6:.0f} MB of a "
             f"{rss_budget / 1e6:.0f} MB budget (sampled each second; {trims} trims), "
             f"{rss_rate / 1e6:.3f} M rows/s = {rss_rate / warm_rate:.2f}x post-warm"
@@ -256,6 +289,8 @@ def main() -> None:
             warm_rate=warm_rate,
             convergence_s=conv,
             half_rate=half_rate,
+            half_paired_ratio=pair_ratio,
+            half_paired_pairs=len(pair_t["budget50"]),
             half_added_bytes=added,
             half_budget=budget,
             rss_budget=rss_budget,

@@ -99,8 +99,10 @@ def test_byte_counters_equal_what_the_backend_asked_for(
         if direct and not fell_back:
             spans = _direct_spans(path, s, ids)
             assert io["device_bytes"] == spans, "O_DIRECT asks for the aligned spans"
-            if rb0 >= 0 and rb1 - rb0 > 0:
-                # The kernel's own count of bytes read from the device for this process.
+            warmed = case == "auto" and s.memory()["warm"]["starts"] > 0
+            if rb0 >= 0 and rb1 - rb0 > 0 and not warmed:
+                # The kernel's own count of bytes read from the device for this process
+                # (not comparable while the background warm pass reads in it too).
                 assert rb1 - rb0 == spans
         else:
             assert io["device_bytes"] == payload

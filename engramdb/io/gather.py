@@ -10,11 +10,13 @@ a pool costs ~20 us.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -49,46 +51,69 @@ class SplitDecision:
     """Whether a large gather is split across the gather pool, decided from observed
     timings, not the core count.
 
-    Gathers run on one thread; every ``every``-th large batch is run the other way. Each way
-    keeps a moving average of its ns per row. The table switches only when the other way
-    has at least `MIN_SAMPLES` timings and its average is below `WIN` x the current one's
-    (a single lucky batch on a busy machine does not flip it); each exploration that does
-    not win doubles ``every`` (up to 1024), a switch resets it to 16. Without a second core
-    (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
+    Gathers run one way; every ``every``-th large batch starts a burst of `BURST` batches
+    run the other way (one isolated batch would mostly time the pool thread's wake-up).
+    Each way keeps its last `KEEP` timings (ns per row); after a burst the table switches
+    when the burst's median is below `WIN` x the current way's median, so one lucky batch
+    on a busy machine does not flip it. A burst that does not win doubles ``every`` (up to
+    `MAX_EVERY`, so a machine that becomes idle is noticed again); a switch resets it to 16.
+    Without a second core (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
 
-    MIN_SAMPLES = 4
-    WIN = 0.85
+    BURST = 4
+    KEEP = 8
+    WIN = 0.9
+    MAX_EVERY = 256
+    FAULTED_NS = 2000.0  # the read rule's "slow mapped gather" bound, 2 us per row
 
     def __init__(self) -> None:
         self.allowed = gather_threads() > 1
-        self.ns = {False: 0.0, True: 0.0}  # moving average ns/row: serial, split
         self.split = False
         self.every = 16
         self.count = 0
         self.tried = {False: 0, True: 0}
+        self._recent: dict[bool, deque[float]] = {
+            False: deque(maxlen=self.KEEP),
+            True: deque(maxlen=self.KEEP),
+        }
+        self._burst = 0  # batches of the current exploration still to run
+
+    @property
+    def ns(self) -> dict[bool, float]:
+        """Median ns per row of each way's recent batches (0.0: not timed yet)."""
+        return {k: float(np.median(v)) if v else 0.0 for k, v in self._recent.items()}
 
     def pick(self) -> bool:
         """The way to run the next large batch."""
         if not self.allowed:
             return False
+        if self._burst:
+            return not self.split
         self.count += 1
         if self.count % self.every == 0:
+            self._burst = self.BURST
             return not self.split  # explore the other way
         return self.split
 
     def report(self, split: bool, rows: int, seconds: float) -> None:
-        """The time one large batch took run ``split`` (or not)."""
+        """The time one large batch took run ``split`` (or not). A batch slower than
+        `FAULTED_NS` per row faulted pages in from the device: it timed the device, not the
+        split, and is left out (an exploration burst just runs one batch longer)."""
         ns = seconds * 1e9 / max(1, rows)
-        old = self.ns[split]
-        self.ns[split] = ns if old == 0.0 else 0.75 * old + 0.25 * ns
-        self.tried[split] += 1
-        if split == self.split:
+        if ns > self.FAULTED_NS:
             return
-        cur = self.ns[self.split]
-        if cur > 0.0 and self.tried[split] >= self.MIN_SAMPLES and self.ns[split] < self.WIN * cur:
+        self._recent[split].append(ns)
+        self.tried[split] += 1
+        if split == self.split or not self._burst:
+            return
+        self._burst -= 1
+        if self._burst:
+            return
+        burst = list(self._recent[split])[-self.BURST :]
+        cur = self._recent[self.split]
+        if cur and float(np.median(burst)) < self.WIN * float(np.median(cur)):
             self.split, self.every = split, 16  # the explored way won clearly
-        elif self.tried[split] >= self.MIN_SAMPLES:
-            self.every = min(1024, self.every * 2)
+        else:
+            self.every = min(self.MAX_EVERY, self.every * 2)
 
     def take(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
         """`take_rows` split or on this thread as decided, timed and reported (batches
@@ -115,37 +140,53 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
 
 
 def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = table[ids[i]]`` for validated int64 ``ids`` (1-D) and a 2-D ``out``.
+    """``out[i] = table[ids[i]]`` for validated int64 ``ids`` (1-D) and a 2-D ``out``,
+    split across the gather pool (`run_split`) when the batch is large.
 
     ``mode="clip"`` because ``mode="raise"`` copies through a temporary; the ids are in range,
     so clipping never changes a row.
     """
     n = ids.size
-    if n * table.shape[1] < PARALLEL_MIN_BYTES or (workers := gather_threads()) == 1:
+    if n * table.shape[1] < PARALLEL_MIN_BYTES or gather_threads() == 1:
         np.take(table, ids, axis=0, out=out, mode="clip")
         return
-    pool = _get_pool(workers)
-    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
-    futures: list[Future[object]] = []
-    for w in range(1, workers):
-        lo, hi = int(bounds[w]), int(bounds[w + 1])
-        futures.append(pool.submit(np.take, table, ids[lo:hi], 0, out[lo:hi], "clip"))
-    hi0 = int(bounds[1])
-    np.take(table, ids[:hi0], axis=0, out=out[:hi0], mode="clip")
-    for f in futures:
-        f.result()
+
+    def part(lo: int, hi: int) -> None:
+        table.take(ids[lo:hi], 0, out[lo:hi], "clip")
+
+    run_split(part, n, min_items=_PIECE_BYTES // max(1, table.shape[1]))
+
+
+#: The least work one piece of a split gather holds: small enough that the calling thread
+#: takes over the pieces of a pool thread that wakes late, large enough that a piece's
+#: Python overhead (~1.5 us) stays under 1 % of its copy.
+_PIECE_BYTES = 256 * 1024
 
 
 def run_split(fn: Callable[[int, int], None], n: int, *, min_items: int = 2) -> None:
-    """Call ``fn(lo, hi)`` over ``[0, n)`` split across the gather pool (the caller's thread
-    takes the first part). ``fn`` must release the GIL to gain from this (numpy copies do)."""
-    workers = min(gather_threads(), n)
-    if workers <= 1 or n < min_items:
+    """Call ``fn(lo, hi)`` over ``[0, n)`` in pieces shared by the calling thread and the
+    gather pool: each thread claims the next piece until none is left, so a pool thread
+    that wakes late (tens of microseconds on a VM) costs only the pieces it did not take,
+    and one that has not started when the work runs out is cancelled, not waited for.
+    ``fn`` must release the GIL to gain from this (numpy copies do); pieces hold at least
+    ``min_items`` items (at most 4 per thread)."""
+    workers = min(gather_threads(), n // max(1, min_items))
+    if workers <= 1:
         fn(0, n)
         return
+    pieces = max(workers, min(4 * workers, n // max(1, min_items)))
+    bounds = np.linspace(0, n, pieces + 1).astype(np.int64).tolist()
+    claim = itertools.count()  # next() is atomic under the GIL
+
+    def work() -> None:
+        while (i := next(claim)) < pieces:
+            fn(bounds[i], bounds[i + 1])
+
     pool = _get_pool(gather_threads())
-    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
-    futures = [pool.submit(fn, int(bounds[w]), int(bounds[w + 1])) for w in range(1, workers)]
-    fn(0, int(bounds[1]))
-    for f in futures:
-        f.result()
+    futures = [pool.submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        for f in futures:
+            if not f.cancel():  # started: it may hold a piece, wait for it
+                f.result()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,21 +56,27 @@ def choose_backend(
     io_uring: bool,
     direct: bool = True,
     fits: bool = False,
+    warming: bool = False,
 ) -> str:
     """The auto rule as a pure function: the backend for a batch whose sampled pages are
     ``resident_fraction`` resident. ``mapped``: a mapping exists; ``io_uring``: io_uring
     works here; ``direct``: O_DIRECT is allowed and saves device bytes (`direct_pays`);
-    ``fits``: the table fits the page-cache budget and the caller did not ask for O_DIRECT.
+    ``fits``: the table fits the page-cache budget and the caller did not ask for O_DIRECT;
+    ``warming``: a background warm pass is reading the table into the page cache now.
     Returns ``"mmap"``, ``"io_uring_direct"``, ``"io_uring"`` or ``"preadv"``.
 
     A table that fits is read through the page cache (buffered) so reading it warms it and
     the rule moves on to the mapping; O_DIRECT (which never warms anything) is kept for
-    tables that cannot fit. The full table of inputs -> choice is in ``docs/io.md``."""
+    tables that cannot fit, and for the seconds a background warm pass runs: the pass warms
+    the table, in 2 MiB page-cache folios, where buffered random reads would leave 4 KiB
+    ones in every region they touch first (mapped through 4 KiB page-table entries, warm
+    gathers then ran ~1.2-1.3x slower here). The full table of inputs -> choice is in
+    ``docs/io.md``."""
     if mapped and resident_fraction >= 1.0:
         return "mmap"
     if not io_uring:
         return "preadv"
-    if direct and not fits and mapped and resident_fraction <= 0.0:
+    if direct and mapped and (warming or (not fits and resident_fraction <= 0.0)):
         return "io_uring_direct"
     return "io_uring"
 
@@ -174,6 +180,9 @@ class AutoBackend(Backend):
         #: The table fits the page-cache budget (set by the table's owner): cold reads stay
         #: buffered so they warm the page cache.
         self.fits = False
+        #: Whether a background warm pass is filling the table now (set by the table's
+        #: owner): cold batches then read O_DIRECT, leaving the page cache to the pass.
+        self.warming: Callable[[], bool] | None = None
         #: Whether resident batches may be served from the mapping (a table with an RSS budget
         #: below its size says no: mapped gathers would fault the table into its RSS; resident
         #: batches then go to buffered syscall reads, page-cache hits).
@@ -211,6 +220,7 @@ class AutoBackend(Backend):
             io_uring=self.io_uring,
             direct=direct,
             fits=self.fits,
+            warming=self.warming is not None and self.warming(),
         )
         if name == "mmap" and self.mapped is not None:
             return self.mapped
@@ -293,6 +303,29 @@ class AutoBackend(Backend):
         if chosen is self.mapped and requests and seconds * 1e6 > self.slow_us * requests:
             self._suspect = True
             self.mapped_ok = False
+
+    def warm_started(self, chosen: Backend) -> Backend:
+        """A background warm pass just started, for a batch the rule gave ``chosen``: a
+        buffered cold state moves to O_DIRECT now (not at the next residency check, up to
+        ``recheck_s`` later), and the backend this batch should use is returned (counted
+        under its own label)."""
+        direct = self.direct_cold
+        if direct is None or self.mapped is None:
+            return chosen
+        if self._state is self.cold:
+            self._state = direct
+        if chosen is not self.cold:
+            return chosen
+        with self._lock:
+            old, new = _label(chosen), _label(direct)
+            left = self.choices.get(old, 0) - 1
+            if left > 0:
+                self.choices[old] = left
+            else:
+                self.choices.pop(old, None)
+            self.choices[new] = self.choices.get(new, 0) + 1
+            self.last_choice = new
+        return direct
 
     def recheck_soon(self) -> None:
         """Make the next batch in a cold state sample residency (a warm pass just finished:

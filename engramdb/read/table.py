@@ -35,7 +35,7 @@ from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
 from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, take_rows
-from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, ShardMapping
+from engramdb.io.mapping import ShardMapping
 from engramdb.io.residency import resident_count
 from engramdb.io.select import AutoBackend
 from engramdb.io.tiers import MappedTiers, parse_budget
@@ -59,8 +59,11 @@ _TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
 
 
 _SMALL = 32  # ids checked in plain Python below this (cheaper than two numpy reductions)
-#: Default rate of the background warm a first cold read starts, bytes per second.
-WARM_RATE = "512M"
+#: Default rate bound of the background warm (first cold read, keep-warm), bytes per second:
+#: about this machine's disk speed (1.5-1.9 GB/s measured), so a re-warm after a loss takes
+#: about as long as `warm` itself; on a faster NVMe device it leaves the rest to foreground
+#: reads (which, while the pass runs, read O_DIRECT).
+WARM_RATE = "2G"
 
 
 _clock = time.perf_counter
@@ -171,6 +174,8 @@ class LocalTable(RowTable):
             self._auto.serve_mapped = rss is None or rss >= mapped_bytes
             if self._tiers is not None:
                 self._tiers.warm.on_done = self._auto.recheck_soon
+                warm = self._tiers.warm
+                self._auto.warming = lambda: warm.running
         self._split = SplitDecision()
         self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
@@ -362,8 +367,10 @@ class LocalTable(RowTable):
             self._take_mapped(table, flat, out2d, serial=serial, chosen=chosen)
             return
         tiers = self._tiers
-        if tiers is not None and tiers.fits:
-            tiers.on_cold_read()  # a cold read of a table that fits: the background warm
+        if tiers is not None and tiers.fits and tiers.on_cold_read() and a is not None:
+            # a cold read of a table that fits started the background warm: this batch and
+            # the cold ones after it read O_DIRECT while the pass fills the page cache
+            chosen = a.warm_started(chosen)
         t0 = time.perf_counter()
         plan = self.plan_for(flat)
         scratch = self.scratch("reads", plan.scratch_bytes)
@@ -706,13 +713,8 @@ class LocalTable(RowTable):
         Afterwards warm gathers run at memory speed. ``progress`` gets byte counts."""
         if self._mapping is None:
             raise StoreClosed(f"table {self.name!r} is closed")
-        # With MADV_RANDOM a cold populate reads page by page (~60 MB/s here); sequential
-        # advice lets read-ahead stream it at device speed.
-        self._mapping.advise(MADV_SEQUENTIAL)
-        try:
-            self._mapping.populate(threads=threads, progress=progress)
-        finally:
-            self._mapping.advise(MADV_RANDOM)
+        # one sequential pass per shard (read-ahead at device speed, 2 MiB page-cache folios)
+        self._mapping.populate(threads=threads, progress=progress)
 
     def residency(self) -> float:
         """Fraction of the table's pages in the page cache (0..1), via ``mincore``."""
