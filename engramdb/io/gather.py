@@ -51,7 +51,8 @@ class SplitDecision:
     """Whether a large gather is split across the gather pool, decided from observed
     timings, not the core count.
 
-    Gathers run one way; every ``every``-th large batch starts a burst of `BURST` batches
+    Gathers start split (where a second core exists) and run one way; every ``every``-th
+    large batch starts a burst of `BURST` batches
     run the other way (one isolated batch would mostly time the pool thread's wake-up).
     Each way keeps its last `KEEP` timings (ns per row); after a burst the table switches
     when the burst's median is below `WIN` x the current way's median, so one lucky batch
@@ -67,7 +68,9 @@ class SplitDecision:
 
     def __init__(self) -> None:
         self.allowed = gather_threads() > 1
-        self.split = False
+        # Starts split where it may: an exploration burst of the serial way times a warm
+        # thread, while a split burst's first batch would time the pool thread's wake-up.
+        self.split = self.allowed
         self.every = 16
         self.count = 0
         self.tried = {False: 0, True: 0}
