@@ -17,9 +17,17 @@ import engramdb
 from engramdb.errors import InvalidArgument, MemoryLockRefused, RowIdOutOfRange
 from engramdb.io import IoUringBackend, choose_backend
 from engramdb.io.gather import SplitDecision
+from engramdb.io.mapping import (
+    MADV_SEQUENTIAL,
+    madvise,
+    map_range,
+    populate_range,
+    unmap_range,
+)
 from engramdb.io.tiers import (
     BUDGET_ENV,
     BackgroundWarm,
+    mapped_rss_split,
     meminfo,
     page_cache_budget,
     parse_budget,
@@ -170,6 +178,62 @@ def test_direct_true_is_the_callers_choice(cold_db: tuple[Path, np.ndarray]) -> 
         assert np.array_equal(s.fetch(ids), data[ids])
         assert s.stats()["choices"] == {"io_uring_direct": 1}
         assert s.memory()["warm"]["state"] == "idle"
+
+
+def _plain_sequential_huge(paths: list[Path]) -> int:
+    """Bytes a plain sequential mapping of the (evicted) files maps with 2 MiB entries
+    after one populate: what this kernel and filesystem give at best."""
+    total = 0
+    for p in paths:
+        evict(p)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            n = os.fstat(fd).st_size // 4096 * 4096
+            addr = map_range(fd, 0, n)
+            try:
+                madvise(addr, n, MADV_SEQUENTIAL)
+                populate_range(addr, n)
+                total += mapped_rss_split(addr, n)[1]
+            finally:
+                unmap_range(addr, n)
+        finally:
+            os.close(fd)
+        evict(p)
+    return total
+
+
+@pytest.fixture(scope="module")
+def big_cold_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """96 MB: read-ahead reaches 2 MiB folios only a few tens of MB into a sequential read."""
+    path = tmp_path_factory.mktemp("big")
+    data = _rows(600_000)
+    engramdb.build(path, "t", ROW, [data])
+    return path, data
+
+
+@pytest.mark.parametrize("how", ["populate", "background warm"])
+def test_a_sequential_fill_leaves_two_mib_folios(
+    big_cold_db: tuple[Path, np.ndarray], how: str
+) -> None:
+    """`populate` and the background warm read the table so that the page cache holds 2 MiB
+    folios and the table's mapping maps them with 2 MiB entries (before: the descriptor's
+    POSIX_FADV_RANDOM, or two threads interleaving one file's chunks, left 4 KiB folios)."""
+    path, data = big_cold_db
+    best = _plain_sequential_huge(sorted(path.rglob("*.edb")))
+    if best == 0:
+        pytest.skip("no 2 MiB page-cache folios on this kernel / filesystem")
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        if how == "populate":
+            s.populate()
+        else:
+            assert s.tiers.start_warm() and s.tiers.warm.wait(60)
+            assert s.tiers.warm.state == "done"
+        m = s.memory()
+        assert m["rss_file_huge_bytes"] >= 0.9 * best
+        assert m["rss_file_bytes"] >= m["rss_file_huge_bytes"]
+        ids = np.random.default_rng(3).integers(0, s.n_rows, 4096)
+        assert np.array_equal(s.fetch(ids), data[ids])
 
 
 def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -> None:
