@@ -12,6 +12,8 @@ every repetition printed; the baseline first, each labelled:
     ``np.memmap`` of the shard (mapped anew each repetition: what a naive user writes);
   * ``lookup_into`` [64, 256, 8] x 264 B: the same four columns;
   * one 16-row ``fetch_into`` (a decode step): p50 / p99 against ``np.take`` of 16 rows;
+  * the same two large-batch ratios paired, per batch (A B / B A) and in blocks of 8
+    consecutive batches per arm (each arm in its steady state, the drift still cancelled);
   * (not with ``--quick``) ``engramdb build`` of a .npy source vs a copy of it + fsync.
 
 Correctness is checked before timing; the store's counters (fast-path calls, the rule's
@@ -333,6 +335,34 @@ def main() -> None:
                     (tb, ta)[j % 2].append(t2 - t1)
                 return float(np.median(tb) / np.median(ta))  # time B / time A
 
+            # Paired in blocks: 8 consecutive batches per arm, arms alternated A B / B A, the
+            # median block times compared. Each arm runs as a caller runs it (consecutive
+            # batches: a split gather's pool thread is awake), while the machine's drift over
+            # seconds (10-20 % here) still cancels, as in the per-batch pairing.
+            def paired_blocks(fa, fb, sets: int, rounds: int, k: int = 8) -> float:  # type: ignore[no-untyped-def]
+                ta, tb = [], []
+                for j in range(rounds):
+                    first, second = (fa, fb) if j % 2 == 0 else (fb, fa)
+                    t0 = pc()
+                    for q in range(k):
+                        first((2 * j * k + q) % sets)
+                    t1 = pc()
+                    for q in range(k):
+                        second(((2 * j + 1) * k + q) % sets)
+                    t2 = pc()
+                    (ta, tb)[j % 2].append(t1 - t0)
+                    (tb, ta)[j % 2].append(t2 - t1)
+                return float(np.median(tb) / np.median(ta))
+
+            block_fetch = 1.0 / paired_blocks(
+                take160, store_fetch, n_batches, args.pair_rounds // 4
+            )
+            block_lookup = 1.0 / paired_blocks(take264, store_lookup, 8, args.pair_rounds // 16)
+            print(
+                f"paired in blocks of 8 batches ({args.pair_rounds // 4} / "
+                f"{args.pair_rounds // 16} pairs): fetch_into / np.take {block_fetch:.3f}x, "
+                f"lookup_into / np.take {block_lookup:.3f}x"
+            )
             pair_fetch = 1.0 / paired(take160, store_fetch, n_batches, args.pair_rounds)
             pair_lookup = 1.0 / paired(take264, store_lookup, 8, args.pair_rounds // 4)
             print(
@@ -363,6 +393,8 @@ def main() -> None:
                 "fetch_into16_p50_vs_take16": p50["fetch_into 16"] / p50["np.take 16 [limit]"],
                 "fetch_into_vs_take_paired_batches": pair_fetch,
                 "lookup_into_vs_take_paired_batches": pair_lookup,
+                "fetch_into_vs_take_paired_blocks": block_fetch,
+                "lookup_into_vs_take_paired_blocks": block_lookup,
             }
             report.update(
                 {

@@ -530,7 +530,9 @@ def test_build_warm_info_memory_and_warm_hold(tmp_path: Path) -> None:
     code, out = _cli("warm", db, "--lock-budget", "1M", "-q")
     assert code != 0 and "--lock-budget applies to --lock" in out
     code, out = _cli("warm", db, "--lock", "--lock-budget", "64K", "--seconds", "0", "-q")
-    assert code == 0 and (" KiB, 0 re-warm" in out or " B, 0 re-warm" in out or "RLIMIT_MEMLOCK" in out), out
+    assert code == 0 and (
+        " KiB, 0 re-warm" in out or " B, 0 re-warm" in out or "RLIMIT_MEMLOCK" in out
+    ), out
 
 
 def test_mapped_fast_paths_large_batches_and_errors(tmp_path: Path) -> None:

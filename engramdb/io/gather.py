@@ -166,30 +166,60 @@ def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
 _PIECE_BYTES = 256 * 1024
 
 
+class _SplitJob:
+    """One split call's shared state. Pool threads hold only this object, and the caller
+    clears ``fn`` before it returns: a queued item that runs later finds nothing to do, and
+    holds no reference to the caller's arrays (a pooled result buffer is reused only when
+    nothing else refers to it)."""
+
+    __slots__ = ("bounds", "claim", "done", "error", "finished", "fn", "pieces")
+
+    def __init__(self, fn: Callable[[int, int], None], bounds: list[int]) -> None:
+        self.fn: Callable[[int, int], None] | None = fn
+        self.bounds = bounds
+        self.pieces = len(bounds) - 1
+        self.claim = itertools.count()  # next() is atomic under the GIL
+        self.finished = itertools.count()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        while True:
+            fn = self.fn
+            if fn is None:
+                return
+            i = next(self.claim)
+            if i >= self.pieces:
+                return
+            try:
+                fn(self.bounds[i], self.bounds[i + 1])
+            except BaseException as e:  # delivered to the caller
+                self.error = e
+            if next(self.finished) == self.pieces - 1:
+                self.done.set()
+
+
 def run_split(fn: Callable[[int, int], None], n: int, *, min_items: int = 2) -> None:
     """Call ``fn(lo, hi)`` over ``[0, n)`` in pieces shared by the calling thread and the
     gather pool: each thread claims the next piece until none is left, so a pool thread
     that wakes late (tens of microseconds on a VM) costs only the pieces it did not take,
-    and one that has not started when the work runs out is cancelled, not waited for.
-    ``fn`` must release the GIL to gain from this (numpy copies do); pieces hold at least
-    ``min_items`` items (at most 4 per thread)."""
+    and one that has not started when the work runs out is not waited for. ``fn`` must
+    release the GIL to gain from this (numpy copies do); pieces hold at least
+    ``min_items`` items (at most 4 per thread). An exception from any piece is raised here,
+    after every claimed piece has finished."""
     workers = min(gather_threads(), n // max(1, min_items))
     if workers <= 1:
         fn(0, n)
         return
     pieces = max(workers, min(4 * workers, n // max(1, min_items)))
-    bounds = np.linspace(0, n, pieces + 1).astype(np.int64).tolist()
-    claim = itertools.count()  # next() is atomic under the GIL
-
-    def work() -> None:
-        while (i := next(claim)) < pieces:
-            fn(bounds[i], bounds[i + 1])
-
+    job = _SplitJob(fn, np.linspace(0, n, pieces + 1).astype(np.int64).tolist())
     pool = _get_pool(gather_threads())
-    futures = [pool.submit(work) for _ in range(workers - 1)]
+    for _ in range(workers - 1):
+        pool.submit(job.work)
     try:
-        work()
+        job.work()
+        job.done.wait()  # the pieces the pool threads claimed
     finally:
-        for f in futures:
-            if not f.cancel():  # started: it may hold a piece, wait for it
-                f.result()
+        job.fn = None
+    if job.error is not None:
+        raise job.error

@@ -82,6 +82,7 @@ def _read_ahead_bytes(fd: int) -> int:
         pass
     return _UNKNOWN_READ_AHEAD
 
+
 LIBC.mlock.restype = ctypes.c_int
 LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 LIBC.munlock.restype = ctypes.c_int
