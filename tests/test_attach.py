@@ -190,6 +190,36 @@ def test_gemma_single_tensor_is_one_array(tmp_path: Path, rng: np.random.Generat
         assert summary.resident_after == 1.0 and st.residency() == 1.0
 
 
+@pytest.mark.parametrize("backend", ["auto", "mmap"])
+def test_single_tensor_fast_path_checks_truncation(
+    tmp_path: Path, rng: np.random.Generator, backend: str
+) -> None:
+    """An attached table whose rows are one mapped array takes the mapped fast path of
+    `fetch_into` / `lookup_into` (no lock, no backend call) — and that path still checks the
+    source's size first: truncated under the reader, it raises instead of a SIGBUS."""
+    w = torch.from_numpy(rng.integers(0, 256, (5000, 160), dtype=np.uint8))
+    src = tmp_path / "model.safetensors"
+    save_file({"model.embed.weight": w}, str(src))
+    engramdb.attach(tmp_path / "db", "t", [src], tensor="*embed.weight")
+    want = w.numpy()
+    with engramdb.open(tmp_path / "db", backend=backend) as d:
+        st = d["t"]
+        st.populate()
+        big, small = rng.integers(0, 5000, 4096), rng.integers(0, 5000, 16)
+        out_big, out_small = np.empty((4096, 160), np.uint8), np.empty((16, 160), np.uint8)
+        for _ in range(3):  # the auto rule reaches its mapped state
+            st.fetch_into(big, out_big)
+        calls = st._fast_counts["calls"]
+        st.fetch_into(big, out_big)
+        st.fetch_into(small, out_small)
+        assert st._fast_counts["calls"] == calls + 2  # both served by the fast path
+        assert np.array_equal(out_big, want[big]) and np.array_equal(out_small, want[small])
+        os.truncate(src, 4096)
+        for ids, out in ((big, out_big), (small, out_small)):
+            with pytest.raises(TruncatedFile, match="truncated while open"):
+                st.fetch_into(ids, out)
+
+
 def test_raw_shard_directory(tmp_path: Path, rng: np.random.Generator) -> None:
     rows = rng.integers(0, 256, size=(250, 24), dtype=np.uint8)
     d = tmp_path / "raw"

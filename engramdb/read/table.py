@@ -193,9 +193,18 @@ class LocalTable(RowTable):
         self._fast_counts = {"calls": 0, "rows": 0}  # the mapped fast paths
         self._cache: RowCache | None = None
         self._prefetcher: Prefetcher | None = None
-        #: No RAM tier and a built table: the mapped fast paths may run
-        #: (`fetch_into` / `lookup_into` also need no prefetcher: rows may be in flight).
-        self._plain = ram_budget is None and self._segments is None
+        #: No RAM tier, and a built table or an attached one whose rows are one mapped array:
+        #: the mapped fast paths may run (`fetch_into` / `lookup_into` also need no
+        #: prefetcher: rows may be in flight). An attached table's fast path first checks its
+        #: source file's size (`_guard`: one fstat, truncation raises instead of SIGBUS).
+        seg0 = self._segments
+        one0 = seg0.single if seg0 is not None else None
+        self._plain = ram_budget is None and (seg0 is None or one0 is not None)
+        self._guard = seg0.guard_mapped if seg0 is not None else None
+        #: Where row 0 of the fast paths' array sits (its sampled pages' addresses).
+        self._fast_base = (
+            self._base if seg0 is None else (int(one0.ctypes.data) if one0 is not None else 0)
+        )
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
         if ram_budget is not None:
@@ -537,11 +546,14 @@ class LocalTable(RowTable):
             # Checked every batch: one that faulted the evicted table in from the device would
             # stall for ~n device reads (seconds), far more than a ``mincore`` costs.
             k = min(a.samples, 1 + n // 65536)
-            base, rb = self._base, self.row_bytes
+            base, rb = self._fast_base, self.row_bytes
             addrs = [base + r * rb for r in ids[:: max(1, n // k)][:k].tolist()]
             if resident_count(addrs) != k:
                 return False
             a.count_mapped()
+        guard = self._guard
+        if guard is not None:
+            guard()  # an attached source truncated while open: TruncatedFile, not SIGBUS
         return self._gather_fast(a, table, ids, out2d, n)
 
     def _gather_fast(
@@ -600,6 +612,9 @@ class LocalTable(RowTable):
                     rowids, out
                 ):
                     rowids = rowids.copy()  # the gather would overwrite ids not read yet
+                guard = self._guard
+                if guard is not None:
+                    guard()  # an attached source truncated while open: TruncatedFile
                 c = self._fast_counts
                 c["rows"] += n
                 k = c["calls"] + 1
