@@ -64,6 +64,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_note, median, write_json  # noqa: E402
 
+from engramdb.integrations.engines import hide_broken_torch_extensions  # noqa: E402
+
+hide_broken_torch_extensions()  # before engram-peft imports transformers' trainer
+
 if not hasattr(typing, "override"):  # engram-peft 1.2.7 imports typing.override (3.12+)
     import typing_extensions
 

@@ -16,6 +16,18 @@ def _no_stray_threads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGRAMDB_GATHER_THREADS", raising=False)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """torchvision / torchaudio / torchcodec wheels that fail to import against the pinned
+    torch are marked absent once, for every test file (transformers, vLLM and engram-peft
+    then take their text-only paths whichever test file runs first, or alone)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        from engramdb.integrations.engines._env import hide_broken_torch_extensions
+
+        hide_broken_torch_extensions()
+
+
 def pytest_report_header() -> str:
     return f"engramdb tests, {os.cpu_count()} cpus"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -228,6 +229,12 @@ def install_sglang_ple(
 def _engram_peft_layer(module: Any) -> Any:
     if module is not None:
         return module
+    if "engram_peft" not in sys.modules:
+        # engram-peft imports transformers' trainer, which imports torchvision: with a
+        # torchvision built for another torch it fails; mark such extensions absent first
+        from engramdb.integrations.engines._env import hide_broken_torch_extensions
+
+        hide_broken_torch_extensions()
     try:
         import engram_peft.layer as layer
     except ImportError as e:
