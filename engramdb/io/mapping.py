@@ -122,12 +122,11 @@ def map_range(fd: int, offset: int, length: int) -> int:
     return int(addr)
 
 
-def map_file_aligned(fd: int, length: int) -> int:
-    """Map the first ``length`` bytes (a page multiple) of ``fd``'s file read-only and shared
-    at a 2 MiB-aligned address, through a new open file description (so the caller's
-    ``POSIX_FADV_RANDOM`` on ``fd`` does not shrink the mapping's read-ahead to 4 KiB
-    folios), reading nothing. Release it with `unmap_range`. 2 MiB page-cache folios are
-    then mapped with one PMD entry each (see `ShardMapping`)."""
+def _reserve_aligned(length: int) -> int:
+    """Reserve ``length`` bytes of address space (no access, no memory) starting on a 2 MiB
+    boundary (the head and tail of a larger reservation released): the kernel maps a
+    page-cache folio of 2 MiB with one PMD entry only when file offset and address agree
+    modulo 2 MiB. Mappings are then placed inside with `_map_fixed`."""
     extra = HUGE if length >= HUGE else 0
     raw = _libc.mmap(
         None, length + extra, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
@@ -141,17 +140,86 @@ def map_file_aligned(fd: int, length: int) -> int:
         _libc.munmap(raw, base - raw)
     if raw + extra > base:
         _libc.munmap(base + length, raw + extra - base)
+    return base
+
+
+def _map_fixed(fd: int, addr: int, length: int) -> None:
+    """Map the first ``length`` bytes of ``fd``'s file read-only and shared at ``addr``
+    (inside a `_reserve_aligned` range), through a new open file description: the
+    caller's descriptor may carry ``POSIX_FADV_RANDOM`` (for its syscall reads), which
+    would also turn the mapping's sequential read-ahead (populate) into 4 KiB folios. The
+    mapping keeps the file; the new descriptor is closed at once."""
     own = _own_description(fd)
     try:
-        got = _libc.mmap(base, length, PROT_READ, MAP_SHARED | MAP_FIXED, own, 0)
-        if got in (None, _MAP_FAILED) or got != base:
+        got = _libc.mmap(addr, length, PROT_READ, MAP_SHARED | MAP_FIXED, own, 0)
+        if got in (None, _MAP_FAILED) or got != addr:
             e = ctypes.get_errno()
-            _libc.munmap(base, length)
             raise OSError(e, f"cannot map fd {fd}: {os.strerror(e)}")
     finally:
         if own != fd:
             os.close(own)
+
+
+def map_file_aligned(fd: int, length: int) -> int:
+    """Map the first ``length`` bytes (a page multiple) of ``fd``'s file read-only and shared
+    at a 2 MiB-aligned address through a new open file description (`_map_fixed`), reading
+    nothing. Release it with `unmap_range`."""
+    base = _reserve_aligned(length)
+    try:
+        _map_fixed(fd, base, length)
+    except BaseException:
+        _libc.munmap(base, length)
+        raise
     return base
+
+
+def populate_sequential(
+    groups: Sequence[Sequence[tuple[int, int]]],
+    *,
+    threads: int = 2,
+    chunk: int = 64 * 1024 * 1024,
+    progress: Callable[[int], None] | None = None,
+    restore: int = MADV_RANDOM,
+) -> None:
+    """Fault ``(addr, length)`` ranges of live mappings into the page tables, each group
+    (the ranges of one file) in one sequential pass (``MADV_SEQUENTIAL``, then
+    ``MADV_POPULATE_READ`` chunk by chunk, the GIL released), up to ``threads`` groups at
+    once; each range's advice is set to ``restore`` afterwards.
+
+    One pass per file, because the kernel's read-ahead state belongs to the open file: two
+    threads faulting interleaved chunks of one file look random to it, and it fills the
+    page cache with 4 KiB folios instead of 2 MiB ones, which mappings then map with 4 KiB
+    page-table entries (measured here: 16,384 random 160 B rows gathered at 41-44 ns/row
+    through 4 KiB entries, 32-35 ns/row through 2 MiB ones). An unreadable page is a
+    `ReadError`."""
+
+    def one(ranges: Sequence[tuple[int, int]]) -> None:
+        for addr, n in ranges:
+            madvise(addr, n, MADV_SEQUENTIAL)
+            try:
+                for off in range(0, n, chunk):
+                    k = min(chunk, n - off)
+                    try:
+                        populate_range(addr + off, k)
+                    except OSError as e:
+                        if e.errno == errno.EFAULT:
+                            raise ReadError(
+                                f"populate hit an unreadable page near byte {off} of a "
+                                f"{n}-byte range"
+                            ) from e
+                        raise
+                    if progress is not None:
+                        progress(k)
+            finally:
+                madvise(addr, n, restore)
+
+    todo = [g for g in groups if g]
+    if threads <= 1 or len(todo) <= 1:
+        for g in todo:
+            one(g)
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
+        list(pool.map(one, todo))
 
 
 def unmap_range(addr: int, length: int) -> None:
@@ -191,48 +259,15 @@ class ShardMapping:
         self._reserved = max(PAGE, sum(self._spans))
         self._lock = threading.Lock()
         self._random = bool(random_access)  # the advice restored after a populate
-        # Reserved 2 MiB-aligned (the head and tail of a larger reservation released): the
-        # kernel maps a page-cache folio of 2 MiB with one PMD entry only when file offset
-        # and address agree modulo 2 MiB. Measured on a view of 2560 B records whose page
-        # cache held such folios: np.take through an unaligned mapping ran 0.86-0.88x one
-        # through an aligned np.memmap of the same file (TLB misses).
-        extra = HUGE if self._reserved >= HUGE else 0
-        raw = _libc.mmap(
-            None,
-            self._reserved + extra,
-            PROT_NONE,
-            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-            -1,
-            0,
-        )
-        if raw in (None, _MAP_FAILED):
-            e = ctypes.get_errno()
-            raise OSError(e, f"cannot reserve {self._reserved} bytes: {os.strerror(e)}")
-        raw = int(raw)
-        base = -(-raw // HUGE) * HUGE if extra else raw
-        if base > raw:
-            _libc.munmap(raw, base - raw)
-        if raw + extra > base:
-            _libc.munmap(base + self._reserved, raw + extra - base)
-        self._base: int | None = int(base)
+        # Reserved 2 MiB-aligned (`_reserve_aligned`). Measured on a view of 2560 B records
+        # whose page cache held 2 MiB folios: np.take through an unaligned mapping ran
+        # 0.86-0.88x one through an aligned np.memmap of the same file (TLB misses).
+        self._base: int | None = _reserve_aligned(self._reserved)
         try:
             pos = self._base
             for fd, span in zip(fds, self._spans):
                 if span:
-                    # Mapped through a new open file description of the same file: the
-                    # caller's descriptor may carry POSIX_FADV_RANDOM (for its syscall
-                    # reads), which would also turn the mapping's sequential read-ahead
-                    # (populate) into 4 KiB folios. The mapping keeps the file; the new
-                    # descriptor is closed at once.
-                    own = _own_description(fd)
-                    try:
-                        got = _libc.mmap(pos, span, PROT_READ, MAP_SHARED | MAP_FIXED, own, 0)
-                        if got in (None, _MAP_FAILED) or got != pos:
-                            e = ctypes.get_errno()
-                            raise OSError(e, f"cannot map fd {fd}: {os.strerror(e)}")
-                    finally:
-                        if own != fd:
-                            os.close(own)
+                    _map_fixed(fd, pos, span)
                 pos += span
             if random_access and self.length:
                 # Cold faults through a mapping otherwise pull megabytes of read-ahead per row.
@@ -263,54 +298,27 @@ class ShardMapping:
         chunk: int = 64 * 1024 * 1024,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Fault every page into the page tables (reads cold pages from the device).
-
-        Each shard is one sequential pass (``MADV_SEQUENTIAL``, then ``MADV_POPULATE_READ``
-        chunk by chunk, the GIL released); up to ``threads`` shards are read at once. One
-        pass per file, because the kernel's read-ahead state belongs to the open file: two
-        threads faulting interleaved chunks of one file look random to it, and it fills the
-        page cache with 4 KiB folios instead of 2 MiB ones, which the mapping then maps with
-        4 KiB page-table entries (measured here: 16,384 random 160 B rows gathered at 41-44
-        ns/row through 4 KiB entries, 32-35 ns/row through 2 MiB ones). On kernels without
-        ``MADV_POPULATE_READ`` falls back to ``MADV_WILLNEED`` per chunk (which only starts
-        I/O). Afterwards the mapping's own advice (random or normal) is restored. Cost: one
-        pass over the table at device speed when cold, ~0.1 s/GB when resident."""
+        """Fault every page into the page tables (reads cold pages from the device): each
+        shard in one sequential pass, up to ``threads`` shards at once
+        (`populate_sequential`); afterwards the mapping's own advice (random or normal) is
+        restored. On kernels without ``MADV_POPULATE_READ`` falls back to ``MADV_WILLNEED``
+        per chunk (which only starts I/O). Cost: one pass over the table at device speed
+        when cold, ~0.1 s/GB when resident."""
         base, length = self.address, self.length
-        if length == 0:
-            return
-        spans: list[tuple[int, int]] = []
+        groups = []
         pos = 0
         for span in self._spans:
             n = min(span, length - pos)
             if n > 0:
-                spans.append((pos, n))
+                groups.append([(base + pos, n)])
             pos += span
-
-        def one(span: tuple[int, int]) -> None:
-            start, n = span
-            madvise(base + start, n, MADV_SEQUENTIAL)
-            try:
-                for off in range(start, start + n, chunk):
-                    k = min(chunk, start + n - off)
-                    try:
-                        populate_range(base + off, k)
-                    except OSError as e:
-                        if e.errno == errno.EFAULT:
-                            raise ReadError(
-                                f"populate hit an unreadable page near byte {off}"
-                            ) from e
-                        raise
-                    if progress is not None:
-                        progress(k)
-            finally:
-                madvise(base + start, n, MADV_RANDOM if self._random else MADV_NORMAL)
-
-        if len(spans) == 1 or threads <= 1:
-            for sp in spans:
-                one(sp)
-            return
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(spans)))) as pool:
-            list(pool.map(one, spans))
+        populate_sequential(
+            groups,
+            threads=threads,
+            chunk=chunk,
+            progress=progress,
+            restore=MADV_RANDOM if self._random else MADV_NORMAL,
+        )
 
     def advise(self, advice: int) -> None:
         madvise(self.address, self.length, advice)

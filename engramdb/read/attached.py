@@ -35,7 +35,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,11 +42,10 @@ from engramdb.errors import StoreClosed, TruncatedFile
 from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, run_split
 from engramdb.io.mapping import (
     MADV_RANDOM,
-    MADV_SEQUENTIAL,
     address_view,
     madvise,
     map_file_aligned,
-    populate_range,
+    populate_sequential,
     range_pages,
     unmap_range,
 )
@@ -501,31 +499,11 @@ class SourceSegments:
         folios), up to ``threads`` files at once."""
         self.guard()
         self.wait_resident()
-        chunk = 64 << 20
         per_file: dict[int, list[tuple[int, int]]] = {}
         for a, n in sorted(self._ranges()):
             key = next((m for m, span in self._maps if m <= a < m + span), a)
             per_file.setdefault(key, []).append((a, n))
-
-        def one(ranges: list[tuple[int, int]]) -> None:
-            for a, n in ranges:
-                madvise(a, n, MADV_SEQUENTIAL)
-                try:
-                    for o in range(0, n, chunk):
-                        k = min(chunk, n - o)
-                        populate_range(a + o, k)
-                        if progress is not None:
-                            progress(k)
-                finally:
-                    madvise(a, n, MADV_RANDOM)
-
-        groups = list(per_file.values())
-        if threads <= 1 or len(groups) <= 1:
-            for g in groups:
-                one(g)
-            return
-        with ThreadPoolExecutor(max_workers=min(threads, len(groups))) as pool:
-            list(pool.map(one, groups))
+        populate_sequential(list(per_file.values()), threads=threads, progress=progress)
 
     def advise(self, advice: int) -> None:
         for a, n in self._ranges():

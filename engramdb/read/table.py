@@ -34,7 +34,7 @@ import numpy as np
 from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
-from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, take_rows
+from engramdb.io.gather import SplitDecision
 from engramdb.io.mapping import ShardMapping
 from engramdb.io.residency import resident_count
 from engramdb.io.select import AutoBackend
@@ -559,20 +559,7 @@ class LocalTable(RowTable):
     def _gather_fast(
         self, a: AutoBackend | None, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray, n: int
     ) -> bool:
-        sd = self._split
-        if n * self.row_bytes >= PARALLEL_MIN_BYTES and sd.allowed:
-            split = sd.pick()  # splits only while observed timings say it pays
-            t0 = _clock()
-            if split:
-                take_rows(table, ids, out2d)
-            else:
-                table.take(ids, 0, out2d, "clip")
-            dt = _clock() - t0
-            sd.report(split, n, dt)
-        else:
-            t0 = _clock()
-            table.take(ids, 0, out2d, "clip")  # the method: no dispatch wrapper (~0.7 us)
-            dt = _clock() - t0
+        dt = self._split.take(table, ids, out2d)  # split only while timings say it pays
         if a is not None and dt * 1e6 > a.slow_us * n:
             a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
         c = self._fast_counts
