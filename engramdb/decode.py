@@ -188,9 +188,11 @@ class Decoder:
         self._guard_n = 0
         #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
-        #: ticket: no mapping, no page faults).
+        #: ticket: no mapping, no page faults) / read here because their prefetch was still
+        #: queued (withdrawn: the step came before the worker reached it).
         self.direct_fills = 0
         self.kept_fills = 0
+        self.withdrawn_fills = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -361,6 +363,7 @@ class Decoder:
             return out
         self._tickets[0] = None
         if t.cancel():  # still queued: read here
+            self.withdrawn_fills += 1
             store.gather_small(r, out2d)
         else:
             t.wait()  # raises a failed prefetch's error
@@ -424,7 +427,9 @@ class Decoder:
             resident = False
             if t is not None:
                 self._tickets[i] = None
-                if not t.cancel():  # running or finished: wait for it (raises its error)
+                if t.cancel():  # still queued: read here
+                    self.withdrawn_fills += 1
+                else:  # running or finished: wait for it (raises its error)
                     t.wait()
                     if take_kept(t, rows[i], key[2][i]):  # the rows it read, no mapping
                         self.kept_fills += 1

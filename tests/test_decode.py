@@ -404,6 +404,12 @@ def test_direct_fills_into_layer_slices_equal_keygen_plus_fetch(
                 want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]  # [S, H, rb]
                 got = out[:, i] if batch is not None else out[i][None]
                 assert np.array_equal(got, want), f"step {t} layer {lay}"
-        # without prefetch the direct path served (resident tables); with it, the rows the
-        # prefetches read (kept on their tickets)
-        assert (dec.kept_fills if prefetch else dec.direct_fills) > 0
+        # without prefetch the direct path served (resident tables); with it, every prefetch
+        # was either taken from the rows it read (kept on its ticket) or, when the step came
+        # before the worker reached it, withdrawn and read at fill
+        if prefetch:
+            assert dec.prefetched == 2 * 33  # prefill and 32 pushes, two layers each
+            assert dec.kept_fills + dec.withdrawn_fills == dec.prefetched
+            assert dec.direct_fills == 0
+        else:
+            assert dec.direct_fills > 0 and dec.prefetched == 0
