@@ -152,6 +152,73 @@ def test_a_table_that_fits_is_warmed_by_its_first_cold_read(
         assert s.stats()["choices"].get("io_uring", 0) >= 1
 
 
+def test_a_faulting_mapped_read_fills_this_process_page_tables(
+    cold_db: tuple[Path, np.ndarray],
+) -> None:
+    """A table in the page cache (warmed by another process) but not in this process's page
+    tables: a mapped batch that was slow (faults) starts the background pass once, which
+    fills the page tables without reading anything from the device."""
+    path, data = cold_db
+    for p in path.rglob("*.edb"):
+        p.read_bytes()  # into the page cache, through no mapping of ours
+    with engramdb.open(path) as db:
+        s = db["t"]
+        m = s.memory()
+        assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
+        assert m["rss_file_bytes"] == 0 and m["warm"]["starts"] == 0
+        ids = np.random.default_rng(1).integers(0, s.n_rows, 4096)
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"mmap": 1}
+        a = s.backend
+        a.feedback(a.mapped, 1000, 1.0)  # a batch as slow as a faulting one
+        assert s.memory()["warm"]["starts"] == 1
+        assert s.tiers.warm.wait(60)
+        m = s.memory()
+        assert m["warm"]["state"] == "done" and m["warm"]["bytes_read"] == 0  # all resident
+        assert m["rss_file_bytes"] >= s.nbytes - 4096
+        a.feedback(a.mapped, 1000, 1.0)  # once: a later slow batch starts nothing
+        assert s.memory()["warm"]["starts"] == 1
+        assert np.array_equal(s.fetch(ids), data[ids])
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        s.backend.feedback(s.backend.mapped, 1000, 1.0)
+        assert s.memory()["warm"]["starts"] == 0  # the caller turned the pass off
+
+
+def test_an_attached_tensor_is_warmed_by_its_first_cold_read(tmp_path: Path) -> None:
+    """An attached single tensor gets the built table's memory policy over the byte range
+    of its source that holds it: the first cold read starts the background warm, which
+    reads that range (not the other tensors of the file) and fills this process's page
+    tables."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    rows = _rows(40_000)  # 6.4 MB
+    other = np.full((20_000, 160), 7, np.uint8)  # 3.2 MB after it in the file
+    src = tmp_path / "model.safetensors"
+    save_file({"a.weight": torch.from_numpy(rows), "b.weight": torch.from_numpy(other)}, str(src))
+    engramdb.attach(tmp_path / "db", "t", [src], tensor="a.weight")
+    evict(src)
+    with engramdb.open(tmp_path / "db", warm_rate="256M") as db:
+        s = db["t"]
+        m = s.memory()
+        assert m["fits"] and m["table_bytes"] == rows.nbytes and m["warm"]["starts"] == 0
+        assert m["page_cache_resident_bytes"] < rows.nbytes // 10
+        ids = np.random.default_rng(2).integers(0, s.n_rows, 2048)
+        assert np.array_equal(s.fetch(ids), rows[ids])
+        assert s.memory()["warm"]["starts"] == 1
+        assert s.tiers.warm.wait(60)
+        m = s.memory()
+        assert m["warm"]["state"] == "done"
+        assert m["page_cache_resident_bytes"] >= rows.nbytes - 4096
+        assert m["rss_file_bytes"] >= rows.nbytes - 4096
+        # the warmed range is the tensor's pages (rounded out to whole pages), not the file
+        assert s.tiers.length < rows.nbytes + 2 * 4096 < src.stat().st_size
+        assert m["warm"]["bytes_read"] <= s.tiers.length
+        assert np.array_equal(s.fetch(ids), rows[ids])
+        assert s.stats()["choices"].get("mmap", 0) >= 1
+
+
 @io_uring_only
 def test_a_table_over_budget_reads_direct_and_does_not_warm(
     cold_db: tuple[Path, np.ndarray],

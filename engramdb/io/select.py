@@ -183,6 +183,9 @@ class AutoBackend(Backend):
         #: Whether a background warm pass is filling the table now (set by the table's
         #: owner): cold batches then read O_DIRECT, leaving the page cache to the pass.
         self.warming: Callable[[], bool] | None = None
+        #: Called after a slow mapped batch (it may have faulted): the table's memory policy
+        #: populates this process's page tables in the background (`MappedTiers`).
+        self.on_slow_mapped: Callable[[], object] | None = None
         #: Whether resident batches may be served from the mapping (a table with an RSS budget
         #: below its size says no: mapped gathers would fault the table into its RSS; resident
         #: batches then go to buffered syscall reads, page-cache hits).
@@ -303,6 +306,9 @@ class AutoBackend(Backend):
         if chosen is self.mapped and requests and seconds * 1e6 > self.slow_us * requests:
             self._suspect = True
             self.mapped_ok = False
+            slow = self.on_slow_mapped
+            if slow is not None:
+                slow()
 
     def warm_started(self, chosen: Backend) -> Backend:
         """A background warm pass just started, for a batch the rule gave ``chosen``: a

@@ -225,7 +225,8 @@ class BackgroundWarm:
     this process's page tables, in a daemon thread.
 
     ``base`` is the mapping's address; ``shards`` are ``(fd, nbytes)`` laid back to back in
-    it, each starting on a page boundary (a `ShardMapping`). ``rate`` bounds the bytes read
+    it, each starting on a page boundary (a `ShardMapping`), or ``(fd, nbytes, offset)``
+    for a part of a file from page-aligned ``offset`` (an attached table's tensor). ``rate`` bounds the bytes read
     per second (the foreground keeps the rest of the device); ``budget`` bounds the bytes it
     adds to the page cache; a chunk is not read while ``MemAvailable`` is under ``margin``.
     ``state`` is ``"idle"``, ``"running"``, ``"done"`` or ``"cancelled"`` (``reason`` says
@@ -234,7 +235,7 @@ class BackgroundWarm:
     def __init__(
         self,
         base: int,
-        shards: Sequence[tuple[int, int]],
+        shards: Sequence[tuple[int, ...]],
         *,
         rate: float,
         budget: int,
@@ -245,7 +246,9 @@ class BackgroundWarm:
         if rate <= 0 or chunk < PAGE or chunk % PAGE:
             raise InvalidArgument("warm rate must be > 0 and chunk a positive page multiple")
         self.base = int(base)
-        self.shards = [(int(fd), int(n)) for fd, n in shards]
+        self.shards = [(int(sh[0]), int(sh[1]), int(sh[2]) if len(sh) > 2 else 0) for sh in shards]
+        if any(off % PAGE for _, _, off in self.shards):
+            raise InvalidArgument("warm regions must start on a page boundary")
         self.rate = float(rate)
         self.budget = int(budget)
         self.margin = safety_margin() if margin is None else int(margin)
@@ -310,7 +313,7 @@ class BackgroundWarm:
         t0 = time.monotonic()
         try:
             pos = self.base
-            for fd, size in self.shards:
+            for fd, size, start in self.shards:
                 own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
                 span = -(-size // PAGE) * PAGE
                 seq = 0
@@ -320,7 +323,7 @@ class BackgroundWarm:
                     # reads (1.2 GB/s here against 0.7 without it)
                     os.posix_fadvise(own, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     if size:
-                        seq = map_range(own, 0, span)
+                        seq = map_range(own, start, span)
                         madvise(seq, span, MADV_SEQUENTIAL)
                     for off in range(0, size, self.chunk):
                         if self._stop.is_set():
@@ -353,8 +356,8 @@ class BackgroundWarm:
                                 # Near the budget: exactly this chunk, no read-ahead past it.
                                 for sub in range(off, off + n, _WILLNEED_STEP):
                                     step = min(_WILLNEED_STEP, off + n - sub)
-                                    os.posix_fadvise(own, sub, step, os.POSIX_FADV_WILLNEED)
-                                os.pread(own, 1, off + n - 1)  # wait for the chunk's last page
+                                    os.posix_fadvise(own, start + sub, step, os.POSIX_FADV_WILLNEED)
+                                os.pread(own, 1, start + off + n - 1)  # the chunk's last page
                             self.bytes_read += n
                             self.bytes_added += max(0, range_pages(addr, win)[0] - before) * PAGE
                         elif seq:
@@ -400,7 +403,7 @@ class MappedTiers:
         self,
         base: int,
         length: int,
-        shards: Sequence[tuple[int, int]],
+        shards: Sequence[tuple[int, ...]],
         *,
         budget: int | None,
         rate: float,
@@ -466,6 +469,16 @@ class MappedTiers:
         if (self.background and self.warm.state == "idle") or self.keep_warm:
             return self.start_warm()
         return False
+
+    def on_mapped_faults(self) -> bool:
+        """A gather from the mapping was slow (page faults: the table is in the page cache,
+        e.g. after ``engramdb warm`` in another process, but this process's page tables are
+        empty; or part of it is not resident): if the table fits, run the background pass
+        once (resident chunks cost only their page-table entries, the rest is read); whether
+        a pass started now. One attribute read when it has run."""
+        if self.warm.state != "idle" or not self.background or not self.fits:
+            return False
+        return self.start_warm()
 
     def start_warm(self) -> bool:
         """Start a background warm pass (skips resident chunks); whether one started."""

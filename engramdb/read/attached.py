@@ -243,6 +243,23 @@ class SourceSegments:
         )
 
     # -- resident narrow columns ---------------------------------------------------------
+    def warm_region(self) -> tuple[int, int, int, int] | None:
+        """``(fd, offset, nbytes, address)`` of the page-aligned byte range of the source
+        holding the table's widest column, when that column is one run (a single tensor, or
+        V4.1's weight beside a resident scale); None when it is several. The memory policy
+        (`engramdb.io.tiers.MappedTiers`) warms and watches this range."""
+        widest = max(self.columns, key=lambda c: c.width)
+        if len(widest.arrays) != 1 or self.n_rows == 0:
+            return None
+        f = int(widest.file[0])
+        lo = int(widest.offset[0]) // PAGE * PAGE
+        hi = min(
+            -(-self._sizes[f] // PAGE) * PAGE,
+            -(-(int(widest.offset[0]) + self.n_rows * widest.width) // PAGE) * PAGE,
+        )
+        base = int(self.files[f].ctypes.data)
+        return self._fds[f], lo, hi - lo, base + lo
+
     def start_resident(self) -> None:
         """Start loading the narrow columns into RAM in a background thread (once; nothing
         when there are none or the budget is spent)."""

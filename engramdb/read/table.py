@@ -141,7 +141,20 @@ class LocalTable(RowTable):
             # The memory policy watches one back-to-back mapping: built tables. An attached
             # table's rows sit inside its source files, read through its segments instead.
             self._tiers: MappedTiers | None = None
-            if isinstance(self._mapping, ShardMapping):
+            wide = self._segments.warm_region() if self._segments is not None else None
+            if wide is not None:  # attached: the range of the source holding the rows
+                fd, off, nbytes, addr = wide
+                self._tiers = MappedTiers(
+                    addr,
+                    nbytes,
+                    [(fd, nbytes, off)],
+                    budget=pc_budget,
+                    rate=float(rate),
+                    rss_budget=rss,
+                    keep_warm=keep_warm,
+                    background=background_warm and backend == "auto" and not direct_forced,
+                )
+            elif isinstance(self._mapping, ShardMapping):
                 self._tiers = MappedTiers(
                     self._mapping.address,
                     self._mapping.length,
@@ -176,6 +189,8 @@ class LocalTable(RowTable):
                 self._tiers.warm.on_done = self._auto.recheck_soon
                 warm = self._tiers.warm
                 self._auto.warming = lambda: warm.running
+                if self._auto.serve_mapped:
+                    self._auto.on_slow_mapped = self._tiers.on_mapped_faults
         self._split = SplitDecision()
         self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
@@ -681,8 +696,9 @@ class LocalTable(RowTable):
         if t is None:
             self.check_open()
             raise InvalidArgument(
-                f"table {self.name!r} is attached: its rows are read in place from the source "
-                "files, without the page-cache budget, RSS budget or keep-warm policy"
+                f"table {self.name!r} is attached with its widest column in several source "
+                "runs: it is read in place without the page-cache budget, RSS budget or "
+                "keep-warm policy (those watch one byte range)"
             )
         return t
 
