@@ -21,7 +21,10 @@ Every (arm, B) runs in a **fresh process**; arms are interleaved per repetition 
 cache state is set before the process starts: **warm** = `python -m engramdb warm` (the page
 cache is hot, the serving process's mapping is not populated: what a server sees after the CLI);
 **cold** = the table files' pages dropped with ``POSIX_FADV_DONTNEED`` (no global drop_caches),
-residency checked with ``mincore`` in the child. Arms:
+residency checked with ``mincore`` in the child. The child opens the database with the
+library defaults: a table that fits is warmed and its mapping populated in the background,
+started by its first cold read or prefetch, or by its first faulting mapped read
+(``--no-background-warm`` opens with ``background_warm=False``). Arms:
 
 * ``ram``: engram-peft's own `MultiHeadEmbedding` (an ``nn.Embedding``) over the table read into
   anonymous memory (``np.fromfile``): the baseline every ratio is against.
@@ -272,9 +275,9 @@ def child(args: argparse.Namespace) -> None:
     h = keygen.hasher("engram-peft", cfg)
     resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
     model = build_model(args, cfg, h)
-    # background_warm off (unless --background-warm): a first cold read of a table that fits
-    # would start populating the whole table into this process (the library default).
-    db = engramdb.open(root / "db", background_warm=args.background_warm)
+    # The library default: a table that fits is warmed in the background by its first cold
+    # read (or its first faulting mapped read); --no-background-warm measures without it.
+    db = engramdb.open(root / "db", background_warm=not args.no_background_warm)
     stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
     dec = None
     mods: dict[int, Any] = {}
@@ -459,8 +462,8 @@ def spawn(args: argparse.Namespace, root: Path, arm: str, b: int) -> dict[str, A
     cmd = [sys.executable, __file__, "--child", arm, "--batch", str(b), "--root", str(root)]
     for k in ("table_gb", "steps", "hidden", "blocks", "vocab", "prompt", "train_tokens"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    if args.background_warm:
-        cmd.append("--background-warm")
+    if args.no_background_warm:
+        cmd.append("--no-background-warm")
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
@@ -550,9 +553,10 @@ def main() -> None:
     ap.add_argument("--train-tokens", type=int, default=1 << 20)
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument(
-        "--background-warm",
+        "--no-background-warm",
         action="store_true",
-        help="open tables with the default background warm (a first cold read populates it)",
+        help="open tables with background_warm=False (default: the library default, on: a "
+        "first cold or faulting read of a table that fits warms and populates it)",
     )
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the tables")

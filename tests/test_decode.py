@@ -208,7 +208,9 @@ def test_auto_turns_prefetch_back_on_when_the_read_rule_sees_faults(
 ) -> None:
     h = small_qwen()
     build_for(tmp_path, h, 2, "ple", 5)
-    with engramdb.open(tmp_path) as db:
+    # no background warm: the slow-batch reports below would start one, which would read the
+    # evicted rows back in under the test
+    with engramdb.open(tmp_path, background_warm=False) as db:
         s = db["ple"]
         s.populate()
         dec = Decoder(s, h, auto_recheck_s=3600.0)  # judged once, then only by the trigger

@@ -70,6 +70,38 @@ def test_prefetch_fills_the_page_cache_of_a_cold_file(
         assert np.array_equal(s.fetch(ids), full[ids])
 
 
+def test_a_table_read_only_through_prefetches_is_warmed(
+    table: tuple[Path, np.ndarray], rng: np.random.Generator
+) -> None:
+    """Prefetches read by syscalls, past the read rule: the first one of a cold table that
+    fits starts the background warm all the same, so the table ends up resident and mapped
+    (a decoder prefetching every step would otherwise read from the page cache forever)."""
+    path, full = table
+    for p in path.rglob("*.edb"):
+        evict(p)
+    with engramdb.open(path) as db:
+        s = db["t"]
+        assert s.memory()["warm"]["starts"] == 0
+        ids = rng.integers(0, full.shape[0], 64)
+        t = s.prefetcher.submit_trusted(ids, keep_rows=True)
+        t.wait()
+        assert s.memory()["warm"]["starts"] == 1
+        assert s.tiers.warm.wait(60)
+        m = s.memory()
+        assert m["warm"]["state"] == "done"
+        assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
+        assert m["rss_file_bytes"] >= s.nbytes - 4096
+        s.prefetcher.submit_trusted(ids, keep_rows=True).wait()  # once: no second pass
+        assert s.memory()["warm"]["starts"] == 1
+        out = np.empty((ids.size, ROW), np.uint8)
+        s.fetch_into(ids, out)
+        assert np.array_equal(out, full[ids])
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        s.prefetcher.submit_trusted(ids, keep_rows=True).wait()
+        assert s.memory()["warm"]["starts"] == 0
+
+
 def test_prefetch_of_an_invalid_id_raises_at_the_fetch(table: tuple[Path, np.ndarray]) -> None:
     path, full = table
     with engramdb.open(path) as db:

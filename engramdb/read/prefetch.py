@@ -62,6 +62,7 @@ class RowSource(Protocol):
     def take_mapped(self, flat: np.ndarray, out2d: np.ndarray) -> None: ...
     def scratch(self, name: str, nbytes: int) -> np.ndarray: ...
     def read_below(self, flat: np.ndarray, out2d: np.ndarray) -> None: ...
+    def note_buffered_read(self) -> None: ...
 
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
@@ -370,6 +371,7 @@ class Prefetcher:
         store = self.store
         if self._buffered is None:
             self._buffered = cold_backend(direct=False)
+        store.note_buffered_read()  # a table that fits starts its background warm (once)
         plan = store.plan_for(ids)
         scratch = store.scratch("prefetch_io", plan.scratch_bytes)
         self._buffered.read(

@@ -524,6 +524,16 @@ class LocalTable(RowTable):
         if a is not None and a.mapped is not None and seconds * 1e6 > a.slow_us * rows:
             a.feedback(a.mapped, rows, seconds)
 
+    def note_buffered_read(self) -> None:
+        """A prefetch is about to read rows by syscalls, past the mapping: like a cold batch
+        of the read path, it starts the background warm when the table fits (the first
+        time only: a prefetch of resident rows is no sign of lost pages, the ``keep_warm``
+        watcher judges that), so a table read only through prefetches also ends up resident
+        and mapped. One attribute read once the pass has run."""
+        t = self._tiers
+        if t is not None and t.warm.state == "idle" and t.fits:
+            t.on_cold_read()
+
     def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Gather validated ids known to be in the page cache (a finished page-cache
         prefetch) straight from the mapping."""
