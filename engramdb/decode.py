@@ -185,7 +185,6 @@ class Decoder:
             self._direct.append(tbl)
             self._mapped.append(st.mapped_state if st is not None else None)
             self._guarded.append(bool(st is not None and st.attached))
-        self._guard_n = 0
         #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
         #: ticket: no mapping, no page faults) / read here because their prefetch was still
@@ -499,10 +498,8 @@ class Decoder:
                 continue
             tbl = tables[i]
             assert tbl is not None
-            if self._guarded[i]:
-                self._guard_n += 1
-                if not self._guard_n & 63:  # attached sources: the truncation check
-                    tbl = self.stores[i].array()  # type: ignore[attr-defined]
+            if self._guarded[i]:  # attached sources: the truncation check before each read
+                tbl = self.stores[i].array()  # type: ignore[attr-defined]
             t0 = pc()
             tbl.take(r, 0, shaped[i], "clip")
             self.direct_fills += 1

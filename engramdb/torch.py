@@ -357,6 +357,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._hot.view_cache = (out, view, ids.shape, shaped)
         return shaped
 
+    def _in_heads(self, u: np.ndarray) -> bool:
+        """Whether every id of ``u`` (``[..., H]`` as uint64) is below its head's size: one
+        reduction when they are all below the smallest head, else the per-head compare."""
+        return bool(u.max(initial=0) < self._min_head or (u < self._heads_u64).all())
+
     def _take_resident(self, ids: np.ndarray) -> torch.Tensor:
         """Validated local ids ``[B, L, H]`` of a resident table: one gather from the mapping
         into the output's bytes (a slow one, which may have faulted, is reported to the read
@@ -395,7 +400,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 ids.shape[2] == self._n_heads
                 and self._hot.ticket_ids is None
                 and self._mapped_ok()
-                and (ids.view(np.uint64) < self._heads_u64).all()  # negative ids: huge
+                and self._in_heads(ids.view(np.uint64))  # negative ids: huge
             ):
                 return self._take_resident(ids)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import engramdb
 from engramdb import keygen
 from engramdb.decode import Decoder
-from engramdb.errors import InvalidArgument, ReadError, ShapeMismatch
+from engramdb.errors import InvalidArgument, ReadError, ShapeMismatch, TruncatedFile
 from engramdb.testing.pages import drop_mapped_pages, evict, resident_pages
 from engramdb.testing.tables import MemoryTable
 
@@ -372,6 +373,42 @@ def test_decoder_reads_any_row_table(
             assert np.array_equal(out[:, i], fulls[lay][h2.row_ids(toks, layer=lay)][:, t])
     with pytest.raises(InvalidArgument, match="local"):
         Decoder(table, h, prefetch=True)
+
+
+@pytest.mark.parametrize("layers", [(2,), (2, 5)])
+def test_fills_of_attached_tables_check_truncation(
+    tmp_path: Path, rng: np.random.Generator, layers: tuple[int, ...]
+) -> None:
+    """Attached tables (one layer: the table's small gather; several: the direct fill, one
+    take from each source's mapping) check their sources' sizes before every fill:
+    truncated under the decoder, the next fill raises `TruncatedFile` naming the file,
+    never a SIGBUS or a wrong row."""
+    h = small_qwen(ple_layer_ids=list(layers))
+    fulls = {}
+    for lay in layers:
+        fulls[lay] = np.random.default_rng(lay).integers(
+            0, 256, (h.table_rows(lay), 160), dtype=np.uint8
+        )
+        fulls[lay].tofile(tmp_path / f"rows{lay}.bin")
+        engramdb.attach(tmp_path / "db", f"e{lay}", [tmp_path / f"rows{lay}.bin"], row_bytes=160)
+    toks = tokens(rng, (1, 20))
+    with engramdb.open(tmp_path / "db", background_warm=False) as db:
+        for lay in layers:
+            db[f"e{lay}"].populate()
+        dec = Decoder({lay: db[f"e{lay}"] for lay in layers}, h, prefetch=False)
+        out = np.empty(dec.out_shape, np.uint8)
+        for t in range(10):
+            dec.push(int(toks[0, t]))
+            dec.fill(out)
+            for i, lay in enumerate(layers):
+                want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[0, -1]]
+                assert np.array_equal(out if len(layers) == 1 else out[i], want)
+        if len(layers) > 1:
+            assert dec.direct_fills > 0
+        os.truncate(tmp_path / f"rows{layers[-1]}.bin", 4096)
+        dec.push(int(toks[0, 10]))
+        with pytest.raises(TruncatedFile, match=f"rows{layers[-1]}.bin"):
+            dec.fill(out)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
