@@ -148,6 +148,7 @@ class _Hot:
         "read",
         "prefetches",
         "from_prefetch",
+        "resident_skips",
         "ticket",
         "ticket_ids",
         "view_cache",
@@ -155,6 +156,7 @@ class _Hot:
 
     def __init__(self) -> None:
         self.mapped = self.prefetched = self.read = self.prefetches = self.from_prefetch = 0
+        self.resident_skips = 0
         self.ticket: Any = None
         self.ticket_ids: np.ndarray | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
@@ -267,6 +269,13 @@ class DiskMultiHeadEmbedding(_DiskTable):
         """`prefetch` calls that started a background read."""
         return self._hot.prefetches
 
+    @property
+    def prefetch_skips(self) -> int:
+        """`prefetch` calls that started nothing because the table was served from its
+        mapping (resident, page tables filled: the forward's gather costs less than a
+        background read)."""
+        return self._hot.resident_skips
+
     def _global(self, local_ids: Any) -> np.ndarray | None:
         """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: not in range,
         or a shape the fast path does not take)."""
@@ -283,8 +292,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
         forward of the same ids waits only for reads still in flight, then gathers them from
         the mapping). Call it as soon as the ids are known (right after sampling and hashing)
         so the read overlaps the layers before this one. Returns False (nothing started) for
-        a table without a prefetcher or ids that are out of range (the forward then raises).
-        A second call replaces a pending one."""
+        a table without a prefetcher, ids that are out of range (the forward then raises),
+        or a table the forward will gather from the mapping (its read rule in the mapped
+        state: resident, and no slow gather since; a thread hand-off would cost more than
+        the gather, counted in `prefetch_skips`). A second call replaces a pending one."""
         pf = getattr(self.store, "prefetcher", None)
         flat = self._global(local_ids)
         if pf is None or flat is None:
@@ -293,6 +304,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
         old = hot.ticket
         if old is not None:
             old.cancel()
+            hot.ticket = hot.ticket_ids = None
+        if self._fast and self._mapped_ok():
+            hot.resident_skips += 1
+            return False
         hot.ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket_ids = flat
         hot.prefetches += 1

@@ -327,7 +327,9 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
     h, mods = _peft_tables(tmp_path, layers=(1,))
     rng = np.random.default_rng(2)
     toks = rng.integers(0, 100, (3, 10))
-    with engramdb.open(tmp_path) as db:
+    # no background warm: the first prefetch would make the table resident and mapped, and
+    # prefetches of a mapped table start nothing (below)
+    with engramdb.open(tmp_path, background_warm=False) as db:
         m = DiskMultiHeadEmbedding(db["l1"])
         for t in range(1, 10):
             ids = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=1)[:, -1:].copy())
@@ -345,6 +347,30 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
         assert not m.prefetch(bad)  # out of range: nothing started, the forward raises
         with pytest.raises(RowIdOutOfRange):
             m(bad)
+
+
+def test_module_prefetch_of_a_mapped_table_starts_nothing(tmp_path: Path) -> None:
+    """Once the read rule serves the table from its mapping, `prefetch` returns False and
+    counts a skip (the forward's gather is cheaper than a background read); after a slow
+    mapped gather (faults) prefetches start again."""
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    toks = np.random.default_rng(5).integers(0, 100, (2, 12))
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        st = db["l1"]
+        st.populate()
+        m = DiskMultiHeadEmbedding(st)
+        ids = torch.from_numpy(h.local_ids(toks, layer=1)[:, -1:].copy())
+        for _ in range(20):  # the read rule settles in its mapped state
+            m(ids)
+            if st.mapped_state():
+                break
+        else:
+            pytest.skip("the read rule did not reach its mapped state (a busy machine)")
+        assert not m.prefetch(ids) and m.prefetch_skips == 1 and m.prefetches == 0
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        st.backend.feedback(st.backend.mapped, 16, 1.0)  # what a faulting gather reports
+        assert m.prefetch(ids) and m.prefetches == 1
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
 
 
 def test_resident_fast_path_validates_and_equals_the_table(tmp_path: Path) -> None:
