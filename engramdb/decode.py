@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
-from engramdb.io.residency import resident_count
 from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
 from engramdb.read.table import LocalTable
@@ -222,18 +221,8 @@ class Decoder:
     # -- the auto rule -------------------------------------------------------------------------
     def _rows_resident(self, store: LocalTable, flat: np.ndarray) -> bool:
         """Whether a few evenly spread rows of ``flat`` sit on resident pages (``mincore``)."""
-        n = flat.size
-        if n == 0:
-            return True
-        k = min(n, 8)
-        arr = store.array()
-        base, rb = arr.ctypes.data, self.row_bytes
-        pick = flat[[i * (n - 1) // max(1, k - 1) for i in range(k)]].tolist()
         self.auto_checks += 1
-        try:
-            return resident_count([base + r * rb for r in pick]) == k
-        except OSError:  # the mapping is gone (closed table): read at fill
-            return False
+        return store.rows_resident(flat)
 
     def _want(self, i: int, store: LocalTable | None, flat: np.ndarray) -> bool:
         """Whether layer ``i``'s rows ``flat`` (just hashed, not yet read) get a prefetch."""

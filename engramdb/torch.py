@@ -243,6 +243,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._fast = self._table_np is not None and decoder is None
         # Per-call state in a plain object: ``nn.Module.__setattr__`` costs microseconds.
         self._hot = _Hot()
+        #: How often (seconds) `prefetch` looks whether a table not served from its mapping
+        #: has become resident (then the forward reads it, and prefetches stop).
+        self.resident_recheck_s = 0.1
+        self._checked_at = -float("inf")
 
     @property
     def served_mapped(self) -> int:
@@ -305,9 +309,20 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if old is not None:
             old.cancel()
             hot.ticket = hot.ticket_ids = None
-        if self._fast and self._mapped_ok():
-            hot.resident_skips += 1
-            return False
+        if self._fast:
+            if self._mapped_ok():
+                hot.resident_skips += 1
+                return False
+            # The forwards are served from the prefetches, so the read rule sees no batch
+            # that would move it to its mapped state: look at the rows every
+            # `resident_recheck_s` (a few mincore calls) and, resident, read them in the
+            # forward (the rule then samples them and moves to the mapping).
+            now = time.monotonic()
+            if now - self._checked_at >= self.resident_recheck_s:
+                self._checked_at = now
+                if self.store.rows_resident(flat):  # type: ignore[attr-defined]
+                    hot.resident_skips += 1
+                    return False
         hot.ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket_ids = flat
         hot.prefetches += 1

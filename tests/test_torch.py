@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import engramdb  # noqa: E402
 from engramdb.errors import RowIdOutOfRange  # noqa: E402
+from engramdb.testing.pages import drop_mapped_pages, evict  # noqa: E402
 from engramdb.torch import DiskEmbedding, DiskMultiHeadEmbedding  # noqa: E402
 
 
@@ -331,6 +332,7 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
     # prefetches of a mapped table start nothing (below)
     with engramdb.open(tmp_path, background_warm=False) as db:
         m = DiskMultiHeadEmbedding(db["l1"])
+        m.resident_recheck_s = 3600.0  # looked at once (cold), then always prefetched
         for t in range(1, 10):
             ids = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=1)[:, -1:].copy())
             assert m.prefetch(ids)
@@ -351,8 +353,9 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
 
 def test_module_prefetch_of_a_mapped_table_starts_nothing(tmp_path: Path) -> None:
     """Once the read rule serves the table from its mapping, `prefetch` returns False and
-    counts a skip (the forward's gather is cheaper than a background read); after a slow
-    mapped gather (faults) prefetches start again."""
+    counts a skip (the forward's gather is cheaper than a background read); out of the
+    mapped state it looks at the rows (mincore): resident, still a skip; evicted, the
+    prefetch starts again."""
     h, mods = _peft_tables(tmp_path, layers=(1,))
     toks = np.random.default_rng(5).integers(0, 100, (2, 12))
     with engramdb.open(tmp_path, background_warm=False) as db:
@@ -368,7 +371,16 @@ def test_module_prefetch_of_a_mapped_table_starts_nothing(tmp_path: Path) -> Non
             pytest.skip("the read rule did not reach its mapped state (a busy machine)")
         assert not m.prefetch(ids) and m.prefetch_skips == 1 and m.prefetches == 0
         assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        m.resident_recheck_s = 0.0  # look at every call
         st.backend.feedback(st.backend.mapped, 16, 1.0)  # what a faulting gather reports
+        assert not m.prefetch(ids) and m.prefetch_skips == 2  # the rows are resident
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        drop_mapped_pages(st.array())
+        for p in tmp_path.rglob("*.edb"):
+            evict(p)
+        st.backend.feedback(st.backend.mapped, 16, 1.0)
+        if st.rows_resident(np.arange(0, st.n_rows, 97)):
+            pytest.skip("this filesystem does not drop cached pages on request")
         assert m.prefetch(ids) and m.prefetches == 1
         assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
 

@@ -524,6 +524,24 @@ class LocalTable(RowTable):
         if a is not None and a.mapped is not None and seconds * 1e6 > a.slow_us * rows:
             a.feedback(a.mapped, rows, seconds)
 
+    def rows_resident(self, flat: np.ndarray, samples: int = 8) -> bool:
+        """Whether ``samples`` evenly spread rows of validated ids ``flat`` sit on resident
+        pages (one ``mincore`` each, ~2 us); False for a closed table or one that is not a
+        mapped array."""
+        n = flat.size
+        if n == 0:
+            return True
+        t = self._table
+        if t is None or (self._segments is not None and self._segments.single is None):
+            return False
+        k = min(n, samples)
+        base, rb = t.ctypes.data, self.row_bytes
+        pick = flat[[i * (n - 1) // max(1, k - 1) for i in range(k)]].tolist()
+        try:
+            return resident_count([base + r * rb for r in pick]) == k
+        except OSError:  # the mapping is gone
+            return False
+
     def note_buffered_read(self) -> None:
         """A prefetch is about to read rows by syscalls, past the mapping: like a cold batch
         of the read path, it starts the background warm when the table fits (the first
