@@ -256,3 +256,23 @@ def test_engramdb_index_takes_an_engram_peft_config_file(peft: Any, tmp_path: Pa
     assert np.array_equal(np.sort(ix.hot_rows), want)  # every touched row, from engram-peft's ids
     bad = CliRunner().invoke(main, ["index", str(tmp_path / "c.npy"), str(db), "--preset", "nope"])
     assert bad.exit_code != 0 and "neither a preset" in bad.output
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_decode_sized_blocks_equal_long_blocks_and_engram_peft(
+    peft: Any, cfg: dict[str, Any], rng: np.random.Generator
+) -> None:
+    """A block of at most 64 positions (a decode step, a short prefill) is hashed with one
+    broadcast modulo per order instead of three calls per head: its ids equal engram-peft's
+    own hashing and the long-block kernel, position by position, for B = 1 and 8."""
+    ref, h = _pair(peft, **cfg)
+    vocab = cfg["compressed_vocab_size"]
+    toks = rng.integers(0, vocab, (8, 150))
+    for layer in h.layers:
+        full = h.local_ids(toks, layer=layer, compressed=True)  # 150 positions: long blocks
+        want = np.asarray(ref.hash(toks)[layer])  # engram-peft's [B, T, H]
+        assert np.array_equal(full, want)
+        for b in (1, 8):
+            s = h.stream(layer=layer, compressed=True, local=True)
+            got = [s.push(toks[:b, :5])] + [s.push(toks[:b, t : t + 1]) for t in range(5, 150)]
+            assert np.array_equal(np.concatenate(got, axis=1), full[:b])

@@ -102,6 +102,11 @@ def _block_contexts(
     return toks
 
 
+#: Blocks of at most this many positions take the broadcast modulo (one call per n-gram
+#: order) instead of three calls per head.
+_BROADCAST_MAX = 64
+
+
 def _hash_block(
     toks: Sequence[np.ndarray],
     lt: LayerTables,
@@ -143,7 +148,14 @@ def _hash_block(
             np.multiply(seq[j], mult[j], out=tmp)
             np.bitwise_xor(acc, tmp, out=acc)
         for group in emit[j]:
-            for col in range(group * heads, (group + 1) * heads):
+            lo, hi = group * heads, (group + 1) * heads
+            if n <= _BROADCAST_MAX:
+                # A few positions (a decode step): one floor modulo of the mix by the group's
+                # primes as a column, broadcast (per-element division is slower, but 3 calls
+                # per head would cost more than the arithmetic here).
+                np.remainder(acc_flat, lt.prime_cols[lo:hi], out=buf[lo:hi])
+                continue
+            for col in range(lo, hi):
                 p = int(primes[col])
                 # floor(mix / p) then mix - q*p: exact floor modulo for any int64 mix, since
                 # the wrap of q*p cancels modulo 2^64 and the true result lies in [0, p).

@@ -83,6 +83,12 @@ class LayerTables:
     table_rows: int
     peft_orders: tuple[int, ...] | None = None
 
+    @property
+    def prime_cols(self) -> np.ndarray:
+        """``primes`` as a column ``[n_cols, 1]`` (a view): the divisors of a broadcast
+        modulo over a few positions."""
+        return self.primes.reshape(-1, 1)
+
     @classmethod
     def build(
         cls,
