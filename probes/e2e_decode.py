@@ -275,6 +275,14 @@ def child(args: argparse.Namespace) -> None:
     h = keygen.hasher("engram-peft", cfg)
     resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
     model = build_model(args, cfg, h)
+    ram_mods: dict[int, Any] = {}
+    if args.paired and kind != "ram":
+        # The in-RAM baseline in this same process, read before the store opens; a cold arm's
+        # files are dropped from the page cache again afterwards (nothing maps them yet).
+        ram_mods = {lay: ram_table(root, lay, h) for lay in ENGRAM_AFTER}
+        if state == "cold":
+            evict_tables(root)
+        resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
     # The library default: a table that fits is warmed in the background by its first cold
     # read (or its first faulting mapped read); --no-background-warm measures without it.
     db = engramdb.open(root / "db", background_warm=not args.no_background_warm)
@@ -373,6 +381,12 @@ def child(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(1000 + b)
     run(rng.integers(0, args.vocab, (b, 8)), 4)  # compute warm-up (touches ~0.01 % of rows)
     prompt = np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt))
+    if ram_mods:  # a --paired child: only the paired figure
+        pdoc = paired_steps(args, model, h, prompt, ram_mods, mods, dec, bufs, offs, b)
+        pdoc.update(arm=args.child, batch=b, resident_before=resident)
+        db.close()
+        print("RESULT " + json.dumps(pdoc))
+        return
     r = run(prompt, args.steps)
     toks = r.pop("tokens")
     doc: dict[str, Any] = {
@@ -397,6 +411,109 @@ def child(args: argparse.Namespace) -> None:
         doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
     db.close()
     print("RESULT " + json.dumps(doc))
+
+
+def paired_steps(
+    args: argparse.Namespace,
+    model: Any,
+    h: Any,
+    prompt: np.ndarray,
+    ram_mods: dict[int, Any],
+    mods: dict[int, Any],
+    dec: Any,
+    bufs: dict[str, np.ndarray],
+    offs: dict[int, np.ndarray],
+    b: int,
+) -> dict[str, Any]:
+    """A ``--paired`` child: the in-RAM tables and this arm decode the same prompt in one
+    process, alternating blocks of ``PAIR_BLOCK`` steps (ram, arm, arm, ram, ...), so drift
+    of the machine cancels; returns the ratio of their summed step times, the per-block
+    ratios' median, and whether the two token sequences are equal. The arm starts first: a
+    cold arm's first reads are measured cold."""
+    import torch
+
+    class Side:
+        def __init__(self, tables: dict[int, Any], dec: Any, prefetch: bool) -> None:
+            self.tables, self.dec, self.prefetch = tables, dec, prefetch
+            self.streams = {
+                lay: h.stream(layer=lay, compressed=True, local=True) for lay in ENGRAM_AFTER
+            }
+            self.wrapped: dict[int, Any] = {}
+            self.toks: list[np.ndarray] = []
+            self.nxt: np.ndarray | None = None
+
+        def enter(self) -> None:
+            for lay in ENGRAM_AFTER:
+                if lay not in self.wrapped:
+                    model.set_table(lay, self.tables[lay])
+                    self.wrapped[lay] = model.engram[str(lay)].multi_head_embedding
+                model.engram[str(lay)].multi_head_embedding = self.wrapped[lay]
+            d = self.dec
+            model.before_layer = None if d is None else (lambda lay: d.fill(bufs["out"], layer=lay))
+
+        def feed(self, col: np.ndarray) -> dict[int, Any]:
+            d = self.dec
+            if d is not None:
+                rows = d.push(col[:, 0]) if col.shape[1] == 1 else d.prefill(col)
+                return {
+                    lay: torch.from_numpy((r - offs[lay]).reshape(b, col.shape[1], HEADS))
+                    for lay, r in zip(d.layers, rows)
+                }
+            hashes = {lay: torch.from_numpy(st.push(col)) for lay, st in self.streams.items()}
+            if self.prefetch:
+                for lay, ids in hashes.items():
+                    self.tables[lay].prefetch(ids)
+            return hashes
+
+        def start(self) -> None:
+            self.enter()
+            if self.dec is not None:
+                self.dec.reset()
+                bufs["out"] = np.empty(self.dec.prefill_shape(prompt.shape[1]), np.uint8)
+            self.nxt = model(torch.from_numpy(prompt), self.feed(prompt)).numpy()
+            if self.dec is not None:
+                bufs["out"] = np.empty(self.dec.out_shape, np.uint8)
+
+        def steps(self, n: int) -> float:
+            self.enter()
+            if self.dec is not None and bufs["out"].shape != self.dec.out_shape:
+                bufs["out"] = np.empty(self.dec.out_shape, np.uint8)
+            total = 0.0
+            for _ in range(n):
+                assert self.nxt is not None
+                self.toks.append(self.nxt.copy())
+                t0 = time.perf_counter()
+                col = self.nxt.reshape(-1, 1)
+                self.nxt = model(torch.from_numpy(col), self.feed(col)).numpy()
+                total += time.perf_counter() - t0
+            return total
+
+    ram = Side(ram_mods, None, False)
+    arm = Side(mods, dec, args.child.endswith("module+pf"))
+    with torch.no_grad():
+        arm.start()  # first: the cold arm's first reads are part of what is measured
+        ram.start()
+        blocks = args.steps // PAIR_BLOCK
+        t_ram, t_arm, ratios = 0.0, 0.0, []
+        for k in range(blocks):
+            first, second = (ram, arm) if k % 2 == 0 else (arm, ram)
+            a = first.steps(PAIR_BLOCK)
+            c = second.steps(PAIR_BLOCK)
+            tr, ta = (a, c) if first is ram else (c, a)
+            t_ram += tr
+            t_arm += ta
+            ratios.append(tr / ta)
+    same = all(np.array_equal(x, y) for x, y in zip(ram.toks, arm.toks))
+    return {
+        "paired_vs_ram": t_ram / t_arm,
+        "paired_block_median": float(np.median(ratios)),
+        "paired_blocks": blocks,
+        "paired_tokens_identical": bool(same and len(ram.toks) == len(arm.toks)),
+    }
+
+
+#: Steps per block of the ``--paired`` alternation.
+PAIR_BLOCK = 8
 
 
 # -- the training-side figure -------------------------------------------------------------------
@@ -453,7 +570,9 @@ def train_child(args: argparse.Namespace) -> None:
 
 
 # -- the parent ---------------------------------------------------------------------------------
-def spawn(args: argparse.Namespace, root: Path, arm: str, b: int) -> dict[str, Any]:
+def spawn(
+    args: argparse.Namespace, root: Path, arm: str, b: int, paired: bool = False
+) -> dict[str, Any]:
     state = arm.split(":")[0]
     if state == "cold":
         evict_tables(root)
@@ -464,6 +583,8 @@ def spawn(args: argparse.Namespace, root: Path, arm: str, b: int) -> dict[str, A
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.no_background_warm:
         cmd.append("--no-background-warm")
+    if paired:
+        cmd.append("--paired")
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
@@ -558,6 +679,12 @@ def main() -> None:
         help="open tables with background_warm=False (default: the library default, on: a "
         "first cold or faulting read of a table that fits warms and populates it)",
     )
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="also decode with the in-RAM tables inside each arm's process, alternating blocks "
+        "of 8 steps with the arm (drift cancels), and report that ratio per arm",
+    )
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the tables")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -597,12 +724,30 @@ def main() -> None:
         doc["table_gb"] = gb
         for b in [int(x) for x in args.batches.split(",")]:
             runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+            pairs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms[1:]}
             for rep in range(args.reps):
                 order = arms if rep % 2 == 0 else arms[:1] + arms[1:][::-1]
                 for arm in order:
                     runs[arm].append(spawn(args, root, arm, b))
+                    if args.paired and arm != "ram":
+                        pairs[arm].append(spawn(args, root, arm, b, paired=True))
             rows, same = summarize(runs, b)
             ok &= same
+            if args.paired:
+                print(f"  B={b} paired in one process (8-step blocks alternating with in-RAM):")
+                for arm, ps in pairs.items():
+                    rows[arm]["paired_vs_ram"] = median([p["paired_vs_ram"] for p in ps])
+                    rows[arm]["paired_vs_ram_reps"] = [p["paired_vs_ram"] for p in ps]
+                    same_p = all(p["paired_tokens_identical"] for p in ps)
+                    ok &= same_p
+                    print(
+                        f"     {arm:18s} {rows[arm]['paired_vs_ram']:.3f}x  per rep "
+                        + " ".join(f"{p['paired_vs_ram']:.3f}" for p in ps)
+                        + "  block medians "
+                        + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
+                        + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
+                        + f"  tokens identical {'yes' if same_p else 'NO'}"
+                    )
             doc[f"B{b}"] = rows
             warm = rows.get("warm:module")
             if warm is not None:
