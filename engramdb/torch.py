@@ -286,8 +286,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         ids = self._as_ids(local_ids)
         if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
             return None
-        u = ids.view(np.uint64)  # negative ids become huge: one comparison checks both ends
-        if not (u.max(initial=0) < self._min_head or (u < self._heads_u64).all()):
+        if not self._in_heads(ids.view(np.uint64)):  # negative ids: huge
             return None
         return np.add(ids, self._offsets_np).reshape(-1)
 
@@ -388,8 +387,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         return shaped
 
     def _in_heads(self, u: np.ndarray) -> bool:
-        """Whether every id of ``u`` (``[..., H]`` as uint64) is below its head's size: one
-        reduction when they are all below the smallest head, else the per-head compare."""
+        """Whether every id of ``u`` (``[..., H]`` viewed as uint64: a negative id is huge,
+        so one comparison checks both ends) is below its head's size: one reduction when
+        they are all below the smallest head, else the per-head compare."""
         return bool(u.max(initial=0) < self._min_head or (u < self._heads_u64).all())
 
     def _take_resident(self, ids: np.ndarray) -> torch.Tensor:
@@ -444,8 +444,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         small = self._small
         h = self._n_heads
         if small is not None and ids.ndim == 3 and ids.shape[-1] == h:
-            u = ids.view(np.uint64)  # negative ids become huge: one comparison checks both ends
-            if u.max(initial=0) < self._min_head or (u < self._heads_u64).all():
+            if self._in_heads(ids.view(np.uint64)):  # negative ids: huge
                 # Validated in one pass: straight to the table's trusted small gather (the
                 # mapping while resident, the read rule otherwise), into the output's bytes.
                 flat = np.add(ids, self._offsets_np).reshape(-1)

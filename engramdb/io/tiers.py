@@ -226,8 +226,8 @@ class BackgroundWarm:
 
     ``base`` is the mapping's address; ``shards`` are ``(fd, nbytes)`` laid back to back in
     it, each starting on a page boundary (a `ShardMapping`), or ``(fd, nbytes, offset)``
-    for a part of a file from page-aligned ``offset`` (an attached table's tensor). ``rate`` bounds the bytes read
-    per second (the foreground keeps the rest of the device); ``budget`` bounds the bytes it
+    for a part of a file from page-aligned ``offset`` (an attached table's tensor).
+    ``rate`` bounds the bytes read per second (the foreground keeps the rest of the device); ``budget`` bounds the bytes it
     adds to the page cache; a chunk is not read while ``MemAvailable`` is under ``margin``.
     ``state`` is ``"idle"``, ``"running"``, ``"done"`` or ``"cancelled"`` (``reason`` says
     why: ``"memory pressure"``, ``"budget"``, ``"cancelled"``, or the error)."""
@@ -476,12 +476,14 @@ class MappedTiers:
             return self.start_warm()
         return False
 
-    def on_mapped_faults(self) -> bool:
-        """A gather from the mapping was slow (page faults: the table is in the page cache,
-        e.g. after ``engramdb warm`` in another process, but this process's page tables are
-        empty; or part of it is not resident): if the table fits, run the background pass
-        once (resident chunks cost only their page-table entries, the rest is read); whether
-        a pass started now. One attribute read when it has run."""
+    def warm_once(self) -> bool:
+        """Start the background pass if it never ran, the table fits and background warms
+        are on; whether one started. For reads that are a sign the table is not (or not in
+        this process) at memory speed but not of lost pages: a mapped gather that was slow
+        (page faults: the table in the page cache, e.g. after ``engramdb warm`` in another
+        process, this process's page tables empty; resident chunks then cost only their
+        entries) or a prefetch's syscall read. Lost pages are the ``keep_warm`` watcher's
+        and `on_cold_read`'s. One attribute read once the pass has run."""
         if self.warm.state != "idle" or not self.background or not self.fits:
             return False
         return self.start_warm()

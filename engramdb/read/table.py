@@ -190,7 +190,7 @@ class LocalTable(RowTable):
                 warm = self._tiers.warm
                 self._auto.warming = lambda: warm.running
                 if self._auto.serve_mapped:
-                    self._auto.on_slow_mapped = self._tiers.on_mapped_faults
+                    self._auto.on_slow_mapped = self._tiers.warm_once
         self._split = SplitDecision()
         self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
@@ -371,10 +371,7 @@ class LocalTable(RowTable):
             # The rule's mapped-state check, without locating ids: rows sit at
             # ``row * row_bytes`` in the back-to-back mapping, so 1 + n // 65536 evenly
             # spread ids give their page addresses directly (one mincore each, ~2 us).
-            k = min(a.samples, 1 + n // 65536)
-            base, rb = self._base, self.row_bytes
-            addrs = [base + r * rb for r in flat[:: max(1, n // k)][:k].tolist()]
-            if resident_count(addrs) == k:
+            if self._sampled_resident(flat, min(a.samples, 1 + n // 65536)):
                 a.count_mapped()
                 self._take_mapped(table, flat, out2d, serial=serial, chosen=a.mapped)
                 return
@@ -531,26 +528,28 @@ class LocalTable(RowTable):
         n = flat.size
         if n == 0:
             return True
-        t = self._table
-        if t is None or (self._segments is not None and self._segments.single is None):
+        if self._table is None or not self._fast_base:
             return False
-        k = min(n, samples)
-        base, rb = t.ctypes.data, self.row_bytes
-        pick = flat[[i * (n - 1) // max(1, k - 1) for i in range(k)]].tolist()
         try:
-            return resident_count([base + r * rb for r in pick]) == k
+            return self._sampled_resident(flat.reshape(-1), min(n, samples))
         except OSError:  # the mapping is gone
             return False
 
+    def _sampled_resident(self, ids: np.ndarray, k: int) -> bool:
+        """Whether ``k`` evenly strided ids of 1-D ``ids`` sit on resident pages of the
+        mapped array: rows sit at ``row * row_bytes`` from `_fast_base`, so no id is located
+        (one ``mincore`` each, ~2 us)."""
+        base, rb = self._fast_base, self.row_bytes
+        addrs = [base + r * rb for r in ids[:: max(1, ids.shape[0] // k)][:k].tolist()]
+        return bool(resident_count(addrs) == k)
+
     def note_buffered_read(self) -> None:
-        """A prefetch is about to read rows by syscalls, past the mapping: like a cold batch
-        of the read path, it starts the background warm when the table fits (the first
-        time only: a prefetch of resident rows is no sign of lost pages, the ``keep_warm``
-        watcher judges that), so a table read only through prefetches also ends up resident
-        and mapped. One attribute read once the pass has run."""
+        """A prefetch is about to read rows by syscalls, past the mapping: it starts the
+        background warm when the table fits (`MappedTiers.warm_once`), so a table read only
+        through prefetches also ends up resident and mapped."""
         t = self._tiers
-        if t is not None and t.warm.state == "idle" and t.fits:
-            t.on_cold_read()
+        if t is not None:
+            t.warm_once()
 
     def gather_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Gather validated ids known to be in the page cache (a finished page-cache
@@ -588,10 +587,7 @@ class LocalTable(RowTable):
         if a is not None and n >= self._unsampled_rows:
             # Checked every batch: one that faulted the evicted table in from the device would
             # stall for ~n device reads (seconds), far more than a ``mincore`` costs.
-            k = min(a.samples, 1 + n // 65536)
-            base, rb = self._fast_base, self.row_bytes
-            addrs = [base + r * rb for r in ids[:: max(1, n // k)][:k].tolist()]
-            if resident_count(addrs) != k:
+            if not self._sampled_resident(ids, min(a.samples, 1 + n // 65536)):
                 return False
             a.count_mapped()
         guard = self._guard

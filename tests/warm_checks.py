@@ -1,0 +1,17 @@
+"""A check shared by the memory-tier tests: a background warm pass ran to its end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def warmed_memory(store: Any, nbytes: int) -> dict[str, Any]:
+    """Wait for ``store``'s background warm pass, check it finished with ``nbytes`` of the
+    table in the page cache and mapped in this process's page tables (to the last page),
+    and return `Store.memory()`."""
+    assert store.tiers.warm.wait(60)
+    m: dict[str, Any] = store.memory()
+    assert m["warm"]["state"] == "done"
+    assert m["page_cache_resident_bytes"] >= nbytes - 4096
+    assert m["rss_file_bytes"] >= nbytes - 4096
+    return m
