@@ -353,3 +353,31 @@ def test_closing_a_stream_stops_its_warm(
         next(it)
         it.close()
         assert threading.active_count() <= before
+
+
+def test_warm_fills_equal_the_rows_for_item_and_row_layouts(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A submitted gather fills by whole-row items where the table's rows and the output
+    lie back to back (also from an unaligned start, as an attached tensor's rows do), and by
+    2-D rows where the output is strided; both equal the table's rows."""
+    from engramdb.read.stream_warm import TableWarm, _row_items
+
+    raw = rng.integers(0, 256, 8 + 700 * 96, dtype=np.uint8)
+    f = tmp_path / "t.bin"
+    raw.tofile(f)
+    mm = np.memmap(f, dtype=np.uint8, mode="r")
+    arr = mm[8:].reshape(700, 96)  # rows start 8 bytes into the first page
+    assert _row_items(arr) is not None and _row_items(arr[:, :64]) is None
+    w = TableWarm(arr, threads=2, chunk=4096)
+    ids = rng.integers(0, 700, 5000)
+    flat = np.empty((ids.size, 96), np.uint8)
+    wide = np.zeros((ids.size, 128), np.uint8)
+    strided = wide[:, :96]  # rows 128 bytes apart: the 2-D path
+    pend = [w.submit(ids, flat), w.submit(ids, strided)]
+    for p in pend:
+        p.wait()
+    w.join()
+    want = np.asarray(arr)[ids]
+    assert np.array_equal(flat, want) and np.array_equal(strided, want)
+    assert not wide[:, 96:].any()  # nothing written beside the strided rows

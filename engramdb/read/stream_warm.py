@@ -60,6 +60,7 @@ class TableWarm:
         self._filler: threading.Thread | None = None
         self._left = max(1, threads)
         self._t0 = time.perf_counter()
+        self._rows_v = _row_items(arr)
         madvise(self._addr, self._len, MADV_SEQUENTIAL)
         self._threads = [
             threading.Thread(target=self._run, name="engramdb-stream-warm", daemon=True)
@@ -133,7 +134,7 @@ class TableWarm:
         small = last.astype(np.uint16 if self._n_chunks < 1 << 16 else np.int64)
         order = np.argsort(small, kind="stable")  # a radix sort of small ints
         bounds = np.concatenate(([0], np.cumsum(np.bincount(last, minlength=self._n_chunks))))
-        return Pending(self._arr, rows, out2d, order, bounds)
+        return Pending(self._arr, rows, out2d, order, bounds, self._rows_v)
 
     def gather(self, rows: np.ndarray, out2d: np.ndarray) -> None:
         """``out2d[i] = arr[rows[i]]`` (``rows`` flat, in range), as soon as the rows are read
@@ -213,12 +214,17 @@ class Pending:
         out2d: np.ndarray,
         order: np.ndarray,
         bounds: np.ndarray,
+        rows_v: np.ndarray | None = None,
     ):
         self._arr = arr
         self._rows = rows
         self._out = out2d
         self._order = order
         self._bounds = bounds
+        # Whole-row items (`_row_items`) of the table and of ``out2d``, and the rows in chunk
+        # order (each chunk's group one slice): a chunk's rows are one item take and put.
+        out_v = _row_items(out2d) if rows_v is not None else None
+        self._items = None if rows_v is None or out_v is None else (rows_v, out_v, rows[order])
         self.got = 0
         self.finished = False
         self._error: BaseException | None = None
@@ -227,9 +233,14 @@ class Pending:
     def fill_to(self, k: int) -> None:
         """Gather the rows completed by chunks ``[got, k)`` (all of them read)."""
         if k > self.got:
-            sel = self._order[self._bounds[self.got] : self._bounds[k]]
-            if sel.size:
-                self._out[sel] = self._arr[self._rows[sel]]
+            b0, b1 = int(self._bounds[self.got]), int(self._bounds[k])
+            if b1 > b0:
+                sel = self._order[b0:b1]
+                if self._items is not None:
+                    rows_v, out_v, src = self._items
+                    np.put(out_v, sel, np.take(rows_v, src[b0:b1]))
+                else:
+                    self._out[sel] = self._arr[self._rows[sel]]
             self.got = k
             if k >= self._bounds.shape[0] - 1:
                 self.finish()
@@ -246,3 +257,16 @@ class Pending:
         self._event.wait()
         if self._error is not None:
             raise self._error
+
+
+def _row_items(a: np.ndarray) -> np.ndarray | None:
+    """``a`` (``[n, row_bytes]`` uint8 with contiguous rows) as ``n`` items of one
+    ``V{row_bytes}`` each, a view (a fancy gather/scatter of whole items is a few times
+    faster than of 2-D rows); None when its rows are not laid out back to back."""
+    rb = int(a.shape[1]) if a.ndim == 2 else 0
+    if rb == 0 or a.strides != (rb, 1):
+        return None
+    try:
+        return a.view(np.dtype((np.void, rb))).reshape(-1)
+    except ValueError:
+        return None
