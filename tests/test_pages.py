@@ -142,3 +142,24 @@ def test_io_uring_page_reader_unavailable(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(BackendUnavailable, match=uring_mod.DISABLE_ENV):
         IoUringPageReader()
     PageReader().close()  # the preadv reader is unaffected
+
+
+def test_prefault_commits_the_pages_of_a_fresh_buffer() -> None:
+    from engramdb.io.mapping import PAGE, mincore, prefault
+
+    import mmap
+
+    region = mmap.mmap(-1, 8 << 20)  # fresh anonymous memory: nothing committed yet
+    buf = np.frombuffer(region, np.uint8)
+    a = int(buf.ctypes.data)
+    pages = buf.nbytes // PAGE
+    vec = np.zeros(pages, np.uint8)
+    mincore(a, pages * PAGE, vec.ctypes.data)
+    assert np.count_nonzero(vec & 1) == 0
+    assert prefault(buf) is buf
+    mincore(a, pages * PAGE, vec.ctypes.data)
+    assert np.count_nonzero(vec & 1) == pages  # every page committed, in one call
+    buf[:] = 7  # still an ordinary writable buffer
+    assert int(buf[::4096].sum()) == 7 * buf[::4096].size
+    small = np.empty(1000, np.uint8)
+    assert prefault(small) is small  # under 1 MiB: left to fault in

@@ -32,6 +32,7 @@ MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0
 MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 2, 3, 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 #: The process's libc through ctypes (``use_errno=True``; calls release the GIL).
@@ -110,6 +111,25 @@ def populate_range(addr: int, length: int) -> None:
         if e.errno != errno.EINVAL:  # EINVAL: kernel < 5.14, no POPULATE_READ
             raise
         madvise(addr, length, MADV_WILLNEED)
+
+
+def prefault(buf: np.ndarray) -> np.ndarray:
+    """Commit the whole pages inside ``buf`` (a fresh, writable C-contiguous array) in one
+    call (``MADV_POPULATE_WRITE``, Linux 5.14+; a no-op elsewhere), and return ``buf``.
+
+    Touching a fresh buffer page by page takes one page fault per 4 KiB; on this VM a fault
+    costs ~6 us, so writing a fresh GB costs 1.7 s against 0.13 s populated in one call
+    (measured: 48 buffers of 21 MB). Only for buffers about to be written in full."""
+    if buf.nbytes >= 1 << 20 and buf.flags.c_contiguous and buf.flags.writeable:
+        a = int(buf.ctypes.data)
+        lo = _round_up(a, PAGE)
+        hi = (a + buf.nbytes) // PAGE * PAGE
+        if hi > lo:
+            try:
+                madvise(lo, hi - lo, MADV_POPULATE_WRITE)
+            except OSError:
+                pass  # an older kernel: the pages fault in as they are written
+    return buf
 
 
 def map_range(fd: int, offset: int, length: int) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
+from engramdb.io.mapping import prefault
 from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
 __all__ = ["DeviceProfile", "RunReader", "WindowStream", "calibrate"]
@@ -313,7 +314,7 @@ class WindowStream:
         self._region_rows = max(1, depth * max_read // rb)
         plan_bytes = 3 * self._region_rows * PLAN_BYTES_PER_ROW  # made, queued, in flight
         # One output buffer: a batch is valid until the next one is asked for.
-        self._out = np.empty(slot_bytes, np.uint8)
+        self._out = prefault(np.empty(slot_bytes, np.uint8))
         # Each reading thread's backend bounce buffer is as large as one of ours.
         fixed = slot_bytes + self._marks.nbytes + ranks_bytes + 2 * self._reader.nbytes + plan_bytes
         # What is left holds the window: its distinct rows and its token ids (8 B a token,
@@ -374,6 +375,9 @@ class WindowStream:
                 return False
             self._free = False
         t2 = time.perf_counter()
+        n_new = marks.count
+        if n_new > self._committed:  # the rows this window adds: committed in one call
+            prefault(self._compact[self._committed : n_new])
         c0 = dict(self._reader.counters)
         self._reader.load(self._plans(), self._compact)
         c1 = self._reader.counters
