@@ -46,6 +46,7 @@ from engramdb.io.mapping import (
     madvise,
     map_file_aligned,
     populate_sequential,
+    prefault,
     range_pages,
     unmap_range,
 )
@@ -294,7 +295,7 @@ class SourceSegments:
         try:
             copies = []
             for c in self._narrow:
-                arr = np.empty((self.n_rows, c.width), np.uint8)
+                arr = prefault(np.empty((self.n_rows, c.width), np.uint8))  # read in full
                 flat = arr.reshape(-1)
                 for r in range(len(c.arrays)):
                     lo = int(c.first[r]) * c.width
