@@ -562,6 +562,17 @@ def test_split_decision_follows_observed_timings() -> None:
         split = d2.pick()
         d2.report(split, 1000, 3e-4 if split else 1e-4)
     assert not d2.split and d2.every > 16
+    d4 = SplitDecision()
+    d4.allowed = True
+    went_serial = False
+    for _ in range(600):  # one thread 15 % faster for a while (a busy minute), then split 5 %
+        busy = d4.count < 80
+        split = d4.pick()
+        d4.report(
+            split, 1000, (1e-4 if split else 0.85e-4) if busy else (0.95e-4 if split else 1e-4)
+        )
+        went_serial |= busy and not d4.split
+    assert went_serial and d4.split  # back to the split without needing a 10 % margin
     d3 = SplitDecision()
     d3.allowed = False
     assert not any(d3.pick() for _ in range(100))

@@ -53,10 +53,11 @@ class SplitDecision:
 
     Gathers start split (where a second core exists) and run one way; every ``every``-th
     large batch starts a burst of `BURST` batches
-    run the other way (one isolated batch would mostly time the pool thread's wake-up).
-    Each way keeps its last `KEEP` timings (ns per row); after a burst the table switches
-    when the burst's median is below `WIN` x the current way's median, so one lucky batch
-    on a busy machine does not flip it. A burst that does not win doubles ``every`` (up to
+    run the other way (one isolated batch would mostly time the pool thread's wake-up; a
+    split burst's first batch is not counted). Each way keeps its last `KEEP` timings (ns
+    per row); after a burst the table leaves the split when the serial burst's median is
+    below `WIN` x the split's median (one lucky batch on a busy machine does not flip it),
+    and returns to it when a split burst's median is below the serial median. A burst that does not win doubles ``every`` (up to
     `MAX_EVERY`, so a machine that becomes idle is noticed again); a switch resets it to 16.
     Without a second core (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
 
@@ -112,9 +113,15 @@ class SplitDecision:
         if self._burst:
             return
         burst = list(self._recent[split])[-self.BURST :]
+        if split:
+            burst = burst[1:]  # its first batch timed the pool thread's wake-up
         cur = self._recent[self.split]
-        if cur and float(np.median(burst)) < self.WIN * float(np.median(cur)):
-            self.split, self.every = split, 16  # the explored way won clearly
+        # Leaving the split (where a second core exists) takes a clear win of one thread;
+        # returning to it only a win: a noisy burst that went serial is undone at the next
+        # burst that measures the split faster, not after a clear margin.
+        win = self.WIN if self.split else 1.0
+        if cur and float(np.median(burst)) < win * float(np.median(cur)):
+            self.split, self.every = split, 16
         else:
             self.every = min(self.MAX_EVERY, self.every * 2)
 
