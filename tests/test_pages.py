@@ -145,9 +145,9 @@ def test_io_uring_page_reader_unavailable(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_prefault_commits_the_pages_of_a_fresh_buffer() -> None:
-    from engramdb.io.mapping import PAGE, mincore, prefault
-
     import mmap
+
+    from engramdb.io.mapping import PAGE, mincore, prefault
 
     region = mmap.mmap(-1, 8 << 20)  # fresh anonymous memory: nothing committed yet
     buf = np.frombuffer(region, np.uint8)
