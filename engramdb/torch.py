@@ -27,6 +27,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
 
+#: torch dtypes a row's bytes can be viewed as in numpy first (bfloat16 has no numpy twin).
+_NP_VIEWS: dict[Any, Any] = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.float64: np.float64,
+}
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)  # type: ignore[no-any-return]
 
@@ -137,8 +145,6 @@ class DiskEmbedding(_DiskTable):
         )
 
 
-
-
 class _Hot:
     """A `DiskMultiHeadEmbedding`'s per-call state and counters (a plain object)."""
 
@@ -240,6 +246,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         # that is not populated yet) is reported to the read rule
         self._slow_s = 10e-6
         self._value_dtype = self._decode.value_dtype if self._decode.is_view else None
+        # the same as a numpy dtype where numpy has it (float32 / float16 rows): the view is
+        # then taken before the one torch call
+        self._np_value_dtype = _NP_VIEWS.get(self._value_dtype)
         self._fast = self._table_np is not None and decoder is None
         # Per-call state in a plain object: ``nn.Module.__setattr__`` costs microseconds.
         self._hot = _Hot()
@@ -286,7 +295,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         ids = self._as_ids(local_ids)
         if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
             return None
-        if not self._in_heads(ids.view(np.uint64)):  # negative ids: huge
+        if not self._in_heads(ids):  # negative ids: huge
             return None
         return np.add(ids, self._offsets_np).reshape(-1)
 
@@ -386,11 +395,18 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._hot.view_cache = (out, view, ids.shape, shaped)
         return shaped
 
-    def _in_heads(self, u: np.ndarray) -> bool:
-        """Whether every id of ``u`` (``[..., H]`` viewed as uint64: a negative id is huge,
-        so one comparison checks both ends) is below its head's size: one reduction when
-        they are all below the smallest head, else the per-head compare."""
-        return bool(u.max(initial=0) < self._min_head or (u < self._heads_u64).all())
+    def _in_heads(self, ids: np.ndarray) -> bool:
+        """Whether every id of int64 ``ids`` (``[..., H]``, read as unsigned: a negative id
+        is huge, so one comparison checks both ends) is below its head's size: one max
+        when they are all below the smallest head, else the per-head compare. A decode
+        step's few contiguous ids are read through a memoryview (no numpy reduction, whose
+        setup costs more than the ids once the caches are cold)."""
+        if ids.size <= 256 and ids.flags.c_contiguous:
+            if max(ids.data.cast("B").cast("Q"), default=0) < self._min_head:
+                return True
+        elif ids.view(np.uint64).max(initial=0) < self._min_head:
+            return True
+        return bool((ids.view(np.uint64) < self._heads_u64).all())
 
     def _take_resident(self, ids: np.ndarray) -> torch.Tensor:
         """Validated local ids ``[B, L, H]`` of a resident table: one gather from the mapping
@@ -409,6 +425,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         dt = pc() - t0
         if dt > self._slow_s * flat.size:
             self.store.note_mapped_gather(flat.size, dt)  # type: ignore[attr-defined]
+        npd = self._np_value_dtype
+        if npd is not None:
+            return torch.from_numpy(raw_np.view(npd))  # [B, L, H, dim], no copy, one call
         vd = self._value_dtype
         if vd is not None:
             return torch.from_numpy(raw_np).view(vd)  # [B, L, H, dim], no copy
@@ -429,7 +448,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 ids.shape[2] == self._n_heads
                 and self._hot.ticket_ids is None
                 and self._mapped_ok()
-                and self._in_heads(ids.view(np.uint64))  # negative ids: huge
+                and self._in_heads(ids)  # negative ids: huge
             ):
                 return self._take_resident(ids)
         else:
@@ -444,7 +463,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         small = self._small
         h = self._n_heads
         if small is not None and ids.ndim == 3 and ids.shape[-1] == h:
-            if self._in_heads(ids.view(np.uint64)):  # negative ids: huge
+            if self._in_heads(ids):  # negative ids: huge
                 # Validated in one pass: straight to the table's trusted small gather (the
                 # mapping while resident, the read rule otherwise), into the output's bytes.
                 flat = np.add(ids, self._offsets_np).reshape(-1)

@@ -405,3 +405,10 @@ def test_resident_fast_path_validates_and_equals_the_table(tmp_path: Path) -> No
         over[0, 0, 1] = int(primes[1])  # one past head 1's rows: refused, not head 2's row 0
         with pytest.raises(RowIdOutOfRange):
             m(over)
+        # one decode step's ids (checked without a numpy reduction): the same answers
+        step_edge = edge[:1, :1].clone()
+        assert torch.equal(m(step_edge), mods[1].multi_head_embedding(step_edge))
+        with pytest.raises(RowIdOutOfRange):
+            m(over[:1, :1].clone())
+        with pytest.raises(RowIdOutOfRange):
+            m(-step_edge - 1)
