@@ -19,6 +19,7 @@ from engramdb.errors import InvalidArgument, InvalidDtype, MissingDependency
 from engramdb.read.prefetch import take_kept
 from engramdb.rowcodec import RowCodec, codec_for
 from engramdb.table_api import RowTable
+from engramdb.validate import unsigned_max
 
 try:
     import torch
@@ -400,13 +401,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
     def _in_heads(self, ids: np.ndarray) -> bool:
         """Whether every id of int64 ``ids`` (``[..., H]``, read as unsigned: a negative id
         is huge, so one comparison checks both ends) is below its head's size: one max
-        when they are all below the smallest head, else the per-head compare. A decode
-        step's few contiguous ids are read through a memoryview (no numpy reduction, whose
-        setup costs more than the ids once the caches are cold)."""
-        if ids.size <= 256 and ids.flags.c_contiguous:
-            if max(ids.data.cast("B").cast("Q"), default=0) < self._min_head:
-                return True
-        elif ids.view(np.uint64).max(initial=0) < self._min_head:
+        (`unsigned_max`) when they are all below the smallest head, else the per-head
+        compare."""
+        if unsigned_max(ids) < self._min_head:
             return True
         return bool((ids.view(np.uint64) < self._heads_u64).all())
 

@@ -73,6 +73,16 @@ def format_position(pos: int, shape: tuple[int, ...] | None) -> str:
     return str(tuple(int(i) for i in np.unravel_index(pos, shape)))
 
 
+def unsigned_max(ids: np.ndarray) -> int:
+    """The largest of int64 ``ids`` read as unsigned (a negative id is huge, so one bound
+    checks both ends; 0 when empty). A few contiguous ids (a decode step's) are read through
+    a memoryview: no numpy reduction, whose setup costs more than the ids once the caches
+    are cold. Otherwise one uint64 reduction."""
+    if ids.size <= 256 and ids.flags.c_contiguous:
+        return max(ids.data.cast("B").cast("Q"), default=0)
+    return int(ids.view(np.uint64).max(initial=0))
+
+
 def check_bounds(
     flat: np.ndarray, n_rows: int, *, shape: tuple[int, ...] | None = None, what: str = "row id"
 ) -> None:

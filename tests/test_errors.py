@@ -160,3 +160,18 @@ def test_open_missing_database(tmp_path: Path) -> None:
         engramdb.open(tmp_path / "nothing")
     with pytest.raises(FileNotFoundError):
         engramdb.open(tmp_path)
+
+
+def test_unsigned_max_reads_negative_ids_as_huge_on_every_path() -> None:
+    from engramdb.validate import unsigned_max
+
+    few = np.array([[3, 7], [0, 5]], np.int64)  # contiguous, a decode step's size
+    assert unsigned_max(few) == 7
+    assert unsigned_max(np.array([4, -1], np.int64)) == 2**64 - 1
+    many = np.arange(1000, dtype=np.int64)  # one numpy reduction
+    assert unsigned_max(many) == 999
+    many[500] = -2
+    assert unsigned_max(many) == 2**64 - 2
+    strided = np.arange(40, dtype=np.int64)[::2].copy()[::-1]  # not C-contiguous
+    assert not strided.flags.c_contiguous and unsigned_max(strided) == 38
+    assert unsigned_max(np.empty(0, np.int64)) == 0

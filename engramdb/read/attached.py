@@ -24,7 +24,7 @@ once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
   into the assembled rows, so the syscall backends (preadv, io_uring, O_DIRECT widened to the
   file's alignment by the backend) read straight from the sources; a row's columns that are
   adjacent in one file are one read.
-* Truncation: `guard` ``fstat``s the files before every read and raises `TruncatedFile`
+* Truncation: `guard` reads the files' sizes (``lseek(SEEK_END)``) before every read and raises `TruncatedFile`
   naming a file shorter than at attach, so no read touches a mapped page past its end.
 """
 
@@ -336,9 +336,10 @@ class SourceSegments:
     def guard(self, files: list[int] | None = None) -> None:
         """Raise `TruncatedFile` naming a source (of ``files``, default all) that is now
         shorter than at attach (a read of its mapping past the new end would raise SIGBUS):
-        one ``fstat`` per file, ~0.3 us."""
+        one ``lseek(SEEK_END)`` per file (an int, no stat object: a third of an ``fstat``'s
+        cost; every read here names its offset, so the descriptor's position is free)."""
         for i in range(len(self._fds)) if files is None else files:
-            now = os.fstat(self._fds[i]).st_size
+            now = os.lseek(self._fds[i], 0, os.SEEK_END)
             if now < self._sizes[i]:
                 raise TruncatedFile(
                     f"table {self.name!r}: source {self._paths[i]!r} was truncated while open "
@@ -346,16 +347,8 @@ class SourceSegments:
                 )
 
     def guard_mapped(self) -> None:
-        """`guard` of the files behind `single` (the one mapped array), else of every file.
-        One source file: its size from ``lseek(SEEK_END)`` (an int, no stat object: a third
-        of an ``fstat``'s cost; every read here names its offset, so the descriptor's
-        position is free), `guard` only to name a truncation."""
-        if self.single is not None:
-            i = self._single_file[0]
-            if os.lseek(self._fds[i], 0, os.SEEK_END) < self._sizes[i]:
-                self.guard(self._single_file)
-            return
-        self.guard(None)
+        """`guard` of the files behind `single` (the one mapped array), else of every file."""
+        self.guard(self._single_file if self.single is not None else None)
 
     def _buf(self, width: int, rows: int = CHUNK_ROWS, kind: str = "c") -> np.ndarray:
         """This thread's reused ``[rows, width]`` gather buffer of ``kind`` (grown, never

@@ -47,7 +47,7 @@ from engramdb.read.plan import ReadPlan, assemble, locate, plan_reads
 from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
-from engramdb.validate import MAX_ROWS_PER_CALL, check_batch, check_bounds
+from engramdb.validate import MAX_ROWS_PER_CALL, check_batch, check_bounds, unsigned_max
 
 __all__ = ["LocalTable"]
 
@@ -626,13 +626,8 @@ class LocalTable(RowTable):
         ):
             if 0 < n <= _SMALL:
                 # a decode step: the shortest path (no method calls, no numpy reductions)
-                # one max over the ids' bytes read as unsigned (a negative id is huge); a
-                # strided id array cannot be cast: it is checked by numpy instead
-                try:
-                    top = max(rowids.data.cast("B").cast("Q"))
-                except TypeError:
-                    top = int(rowids.view(np.uint64).max())
-                if top >= self.n_rows:
+                # one max over the ids read as unsigned (a negative id is huge)
+                if unsigned_max(rowids) >= self.n_rows:
                     check_bounds(rowids, self.n_rows)
                 if (rowids.base is not None or out.base is not None) and np.may_share_memory(
                     rowids, out
