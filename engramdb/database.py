@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -293,15 +293,17 @@ class Database(Closing):
         if getattr(self, "_shard_fds", None) or getattr(self, "_view_fds", None):
             self._close_fds()
 
-    def _close_fds(self) -> None:
-        """Close the descriptors of tables never opened."""
+    def _close_fds(self, _close: Callable[[int], None] = os.close) -> None:
+        """Close the descriptors of tables never opened. ``os.close`` is bound at definition:
+        a `Database` still alive at interpreter exit is collected after the ``os`` module's
+        globals are cleared."""
         for fds in self._shard_fds.values():
             for fd in fds:
-                os.close(fd)
+                _close(fd)
         self._shard_fds.clear()
         for held in self._view_fds.values():
             for fd in held.values():
-                os.close(fd)
+                _close(fd)
         self._view_fds.clear()
 
     def __repr__(self) -> str:

@@ -153,6 +153,28 @@ def test_closed_store_and_unknown_table(db_factory) -> None:  # type: ignore[no-
         db["t"]
 
 
+def test_database_collected_after_module_teardown(db_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A database never closed may be collected at interpreter exit after the modules'
+    globals are cleared (``os`` is None then): it still closes its descriptors, and raises
+    nothing (no "Exception ignored" traceback)."""
+    import os
+
+    import engramdb.database as database_module
+
+    path, _ = db_factory({"a": (8, (10,)), "b": (8, (10,))})
+    db = engramdb.open(path)
+    db["a"].fetch([1])
+    fds = [fd for fds in db._shard_fds.values() for fd in fds]
+    assert fds  # table "b" was never opened: its descriptors are the database's
+    monkeypatch.setattr(database_module, "os", None)
+    db.__del__()
+    monkeypatch.undo()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    db.close()
+
+
 def test_open_missing_database(tmp_path: Path) -> None:
     from engramdb.errors import DatabaseNotFound
 

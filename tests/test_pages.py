@@ -144,6 +144,36 @@ def test_io_uring_page_reader_unavailable(monkeypatch: pytest.MonkeyPatch) -> No
     PageReader().close()  # the preadv reader is unaffected
 
 
+def test_touch_pages_reads_every_page_of_a_range(tmp_path: Path) -> None:
+    import mmap
+
+    from engramdb.io.mapping import PAGE, mincore, touch_pages
+
+    p = tmp_path / "f.bin"
+    data = np.random.default_rng(3).integers(0, 256, 64 * PAGE, dtype=np.uint8)
+    p.write_bytes(data.tobytes())
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, data.nbytes, prot=mmap.PROT_READ)
+        arr = np.frombuffer(m, np.uint8)
+        base = int(arr.ctypes.data)
+        vec = np.zeros(64, np.uint8)
+        mincore(base, 64 * PAGE, vec.ctypes.data)
+        if np.count_nonzero(vec & 1) == 64:
+            pytest.skip("the file could not be evicted here")
+        # a range that starts and ends inside pages: pages 3..40 are read (read-ahead may add more)
+        touch_pages(base + 3 * PAGE + 100, 37 * PAGE)
+        mincore(base, 64 * PAGE, vec.ctypes.data)
+        assert np.all(vec[3:41] & 1)
+        touch_pages(base, 0)  # nothing to read
+        del arr
+        m.close()
+    finally:
+        os.close(fd)
+
+
 def test_prefault_commits_the_pages_of_a_fresh_buffer() -> None:
     import mmap
 

@@ -113,6 +113,26 @@ def populate_range(addr: int, length: int) -> None:
         madvise(addr, length, MADV_WILLNEED)
 
 
+def touch_pages(addr: int, length: int) -> None:
+    """Read one byte of every page of ``[addr, addr + length)`` of a live readable mapping
+    (one strided ``max``; numpy releases the GIL). Pages not in the page cache are read in.
+
+    For pages just populated: on a VM that returns free guest memory to its host (free
+    page reporting, as on these machines), a page-cache page the guest CPU has not read yet
+    can cost a second-level fault at its first read, after the kernel has read it and
+    mapped it. Touching each chunk in the thread that populated it moves that cost off the
+    gathers that follow. Measured on a 2.56 GB table after a cache drop, corpus stream
+    (`stream_warm.TableWarm`): 1.65-1.69 M tokens/s once the table was read, against
+    1.54-1.57 M without; ~0.1 us a page where there is nothing to pay."""
+    if length <= 0:
+        return
+    view = np.frombuffer(memoryview((ctypes.c_ubyte * length).from_address(addr)), np.uint8)
+    view[:1].max()  # the page holding addr
+    first = _round_up(addr, PAGE) - addr  # then every page that starts inside the range
+    if first < length:
+        view[first::PAGE].max()
+
+
 def prefault(buf: np.ndarray) -> np.ndarray:
     """Commit the whole pages inside ``buf`` (a fresh, writable C-contiguous array) in one
     call (``MADV_POPULATE_WRITE``, Linux 5.14+; a no-op elsewhere), and return ``buf``.

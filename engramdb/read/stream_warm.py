@@ -11,7 +11,13 @@ from collections.abc import Callable
 import numpy as np
 
 from engramdb.errors import ReadError, StoreClosed
-from engramdb.io.mapping import MADV_RANDOM, MADV_SEQUENTIAL, madvise, populate_range
+from engramdb.io.mapping import (
+    MADV_RANDOM,
+    MADV_SEQUENTIAL,
+    madvise,
+    populate_range,
+    touch_pages,
+)
 
 __all__ = ["Pending", "TableWarm"]
 
@@ -83,8 +89,10 @@ class TableWarm:
                         break
                     self._next += 1
                 off = i * self._chunk
+                length = min(self._chunk, self._len - off)
                 try:
-                    populate_range(self._addr + off, min(self._chunk, self._len - off))
+                    populate_range(self._addr + off, length)
+                    touch_pages(self._addr + off, length)  # its first-read fault, here
                 except OSError as e:
                     if e.errno == errno.EFAULT:
                         raise ReadError(f"the warm hit an unreadable page near byte {off}") from e
