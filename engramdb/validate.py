@@ -93,7 +93,7 @@ def check_bounds(
     """
     if flat.size == 0:
         return
-    if int(flat.view(np.uint64).max()) < n_rows:
+    if unsigned_max(flat) < n_rows:
         return
     pos = first_bad(flat.reshape(-1), n_rows)
     raise RowIdOutOfRange(

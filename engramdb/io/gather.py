@@ -52,12 +52,12 @@ class SplitDecision:
     timings, not the core count.
 
     Gathers start split (where a second core exists) and run one way; every ``every``-th
-    large batch starts a burst of `BURST` batches
-    run the other way (one isolated batch would mostly time the pool thread's wake-up; a
-    split burst's first batch is not counted). Each way keeps its last `KEEP` timings (ns
-    per row); after a burst the table leaves the split when the serial burst's median is
-    below `WIN` x the split's median (one lucky batch on a busy machine does not flip it),
-    and returns to it when a split burst's median is below the serial median. A burst that does not win doubles ``every`` (up to
+    large batch starts a burst of `BURST` batches run the other way (one isolated batch
+    would mostly time the pool thread's wake-up; a split burst's first batch is not
+    counted). Each way keeps its last `KEEP` timings (ns per row); after a burst the table
+    leaves the split when the serial burst's median is below `WIN` x the split's median (one
+    lucky batch on a busy machine does not flip it), and returns to it when a split burst's
+    median is below the serial median. A burst that does not win doubles ``every`` (up to
     `MAX_EVERY`, so a machine that becomes idle is noticed again); a switch resets it to 16.
     Without a second core (or with ``ENGRAMDB_GATHER_THREADS=1``) it never splits."""
 

@@ -650,7 +650,7 @@ class LocalTable(RowTable):
                     a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
                 return out
             if 0 < n <= MAX_ROWS_PER_CALL:
-                if int(rowids.view(np.uint64).max()) >= self.n_rows:
+                if unsigned_max(rowids) >= self.n_rows:
                     check_bounds(rowids, self.n_rows)  # raises, naming the id
                 if (rowids.base is not None or out.base is not None) and np.may_share_memory(
                     rowids, out
