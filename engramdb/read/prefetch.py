@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from engramdb.errors import InvalidArgument, StoreClosed
+from engramdb.io.foreground import FOREGROUND
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
 from engramdb.read.plan import GeometryLike, ReadPlan, assemble
@@ -374,9 +375,10 @@ class Prefetcher:
         store.note_buffered_read()  # a table that fits starts its background warm (once)
         plan = store.plan_for(ids)
         scratch = store.scratch("prefetch_io", plan.scratch_bytes)
-        self._buffered.read(
-            store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
-        )
+        with FOREGROUND.reading():  # a future step's rows: the background warm reads around it
+            self._buffered.read(
+                store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
+            )
         return plan, scratch
 
     def _read_kept(self, t: Ticket) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
+from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision
 from engramdb.io.mapping import ShardMapping
 from engramdb.io.residency import resident_count
@@ -58,6 +59,8 @@ _TIER_SAMPLE = 128
 _TIER_ADMIT_EVERY = 32  # one admission of <= 128 rows costs ~0.3 ms
 
 
+#: Cold batches up to this many rows count as foreground reads (`engramdb.io.foreground`).
+FOREGROUND_ROWS = 4096
 _SMALL = 32  # ids checked in plain Python below this (cheaper than two numpy reductions)
 #: Default rate bound of the background warm (first cold read, keep-warm), bytes per second:
 #: about this machine's disk speed (1.5-1.9 GB/s measured), so a re-warm after a loss takes
@@ -395,7 +398,12 @@ class LocalTable(RowTable):
         t0 = time.perf_counter()
         plan = self.plan_for(flat)
         scratch = self.scratch("reads", plan.scratch_bytes)
-        chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
+        fds = self._fd_array[plan.shard]
+        if n <= FOREGROUND_ROWS:  # a decode step's batch: the background warm reads around it
+            with FOREGROUND.reading():
+                chosen.read(fds, plan.offset, plan.length, scratch, plan.dest_offset)
+        else:
+            chosen.read(fds, plan.offset, plan.length, scratch, plan.dest_offset)
         assemble(plan, scratch, out2d)
         if seg is not None:
             seg.fill_resident(flat, out2d)  # attached: the columns kept in RAM, not read

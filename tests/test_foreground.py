@@ -1,0 +1,208 @@
+"""The foreground record (`engramdb.io.foreground`) and the background warm reading in the
+gaps between periodic foreground batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb.io import foreground as fg_mod
+from engramdb.io.foreground import YIELD_ENV, Foreground
+from engramdb.io.tiers import BackgroundWarm
+from engramdb.testing.pages import evict
+
+ROW = 160
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _batch(f: Foreground, clock: Clock, start: float, length: float) -> None:
+    clock.t = start
+    f.enter()
+    clock.t = start + length
+    f.exit()
+
+
+def test_learns_a_periodic_rhythm_and_yields_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(YIELD_ENV, raising=False)
+    c = Clock()
+    f = Foreground(clock=c)
+    assert not f.yielding()  # nothing seen yet
+    for i in range(20):  # a 5 ms step reading for 1 ms
+        _batch(f, c, 100.0 + 0.005 * i, 0.001)
+    assert f.period == pytest.approx(0.005)
+    assert f.busy == pytest.approx(0.2, abs=0.01)
+    assert f.yielding()
+    monkeypatch.setenv(YIELD_ENV, "0")
+    assert not f.yielding()  # turned off
+    monkeypatch.delenv(YIELD_ENV)
+    c.t += 0.3  # no batch for longer than the recent window: no longer active
+    assert not f.yielding()
+
+
+def test_a_throughput_load_is_not_yielded_to() -> None:
+    c = Clock()
+    f = Foreground(clock=c)
+    for i in range(20):  # back to back: reading 90 % of each interval
+        _batch(f, c, 100.0 + 0.010 * i, 0.009)
+    assert f.busy > 0.6 and not f.yielding()
+
+
+def test_a_pause_resets_the_rhythm() -> None:
+    c = Clock()
+    f = Foreground(clock=c)
+    for i in range(5):
+        _batch(f, c, 100.0 + 0.005 * i, 0.001)
+    assert f.period > 0
+    _batch(f, c, 102.0, 0.001)  # 2 s later: not the same loop
+    assert f.period == 0.0 and not f.yielding()
+
+
+def test_wait_gap_waits_for_the_batch_in_flight_then_returns() -> None:
+    f = Foreground()
+    for _ in range(3):  # a rhythm of ~20 ms
+        f.enter()
+        f.exit()
+        time.sleep(0.02)
+    f.enter()  # a batch in flight
+    done = threading.Event()
+
+    def waiter() -> None:
+        assert f.wait_gap(0.001, timeout=5.0)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.03)
+    assert not done.is_set()  # held while the batch reads
+    f.exit()
+    t.join(5)
+    assert done.is_set()
+
+
+def test_wait_gap_holds_a_piece_that_would_overlap_the_next_batch() -> None:
+    c = Clock()
+    f = Foreground(clock=c)
+    for i in range(10):
+        _batch(f, c, 100.0 + 0.005 * i, 0.001)
+    # the last batch started at 100.045 and ended at 100.046; the next is due at 100.050
+    c.t = 100.0465
+    assert f.wait_gap(0.002, timeout=1.0)  # 100.0485 <= 100.050: fits
+    c.t = 100.049
+    # 100.051 > 100.050: it would still be reading when the next batch comes. The clock
+    # does not move, so only the timeout ends the wait (a real clock would pass the batch)
+    t0 = time.monotonic()
+    assert not f.wait_gap(0.002, timeout=0.0)
+    assert time.monotonic() - t0 < 1.0
+    c.t = 100.070  # long past the due time with no batch: the loop stopped, read now
+    assert f.wait_gap(0.002, timeout=0.0)
+
+
+def _cold_db(tmp_path: Path, rows: int) -> Path:
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, (rows, ROW), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", ROW, [data])
+    for p in tmp_path.rglob("*.edb"):
+        evict(p)
+    return tmp_path
+
+
+@pytest.mark.parametrize("yield_on", [True, False])
+def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, yield_on: bool
+) -> None:
+    """A periodic foreground loop (1 ms reads every 4 ms): the warm reads the table in gap
+    pieces (none when yielding is off), completes, and leaves it resident (the waiting
+    itself is tested on `Foreground.wait_gap` above)."""
+    if not yield_on:
+        monkeypatch.setenv(YIELD_ENV, "0")
+    f = Foreground()
+    monkeypatch.setattr("engramdb.io.tiers.FOREGROUND", f)
+    path = _cold_db(tmp_path, 40_000)  # 6.4 MB
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with f.reading():
+                time.sleep(0.001)
+            time.sleep(0.003)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)  # the rhythm is learnt
+        with engramdb.open(path, background_warm=False) as db:
+            s = db["t"]
+            shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
+            w = BackgroundWarm(
+                int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40, chunk=2 << 20
+            )
+            w.start()
+            assert w.wait(60)
+            assert w.state == "done"
+            assert s.residency() == 1.0
+            if yield_on:
+                assert w.gap_pieces >= 1  # read in pieces sized to the gaps (1-16 MiB)
+            else:
+                assert w.gap_pieces == 0
+            # the rows read back equal the source
+            ids = np.arange(0, 40_000, 997, dtype=np.int64)
+            got = s.fetch(ids)
+            assert np.array_equal(got, np.random.default_rng(5).integers(0, 256, (40_000, ROW), dtype=np.uint8)[ids])
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_decode_sized_cold_batches_count_as_foreground(tmp_path: Path) -> None:
+    """A small cold batch through the syscall path enters the process's record; a large
+    one (a throughput read) does not."""
+    path = _cold_db(tmp_path, 20_000)
+    before = fg_mod.FOREGROUND.batches
+    with engramdb.open(path, background_warm=False, backend="preadv") as db:
+        s = db["t"]
+        s.fetch(np.arange(0, 20_000, 700, dtype=np.int64))
+        small = fg_mod.FOREGROUND.batches - before
+        s.fetch(np.arange(0, 20_000, dtype=np.int64) % 20_000)
+        large = fg_mod.FOREGROUND.batches - before - small
+    assert small == 1 and large == 0
+    assert fg_mod.FOREGROUND.inflight == 0
+
+
+@pytest.mark.parametrize("left", [float("inf"), 0.0, 0.004])
+def test_gap_pieces_of_every_size_complete_the_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left: float
+) -> None:
+    """Whatever the gap the record reports (no batch expected, a timeout, a few ms), the
+    pass reads every chunk and finishes."""
+
+    class Stub:
+        period = 0.005
+
+        def yielding(self) -> bool:
+            return True
+
+        def wait_gap(self, need: float, *, timeout: float) -> float:
+            return left
+
+    monkeypatch.setattr("engramdb.io.tiers.FOREGROUND", Stub())
+    path = _cold_db(tmp_path, 40_000)
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
+        w = BackgroundWarm(int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40)
+        w.start()
+        assert w.wait(60)
+        assert (w.state, w.reason) == ("done", "")
+        assert w.gap_pieces >= 1 and s.residency() == 1.0
