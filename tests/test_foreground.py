@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from warm_checks import warm_pass
 
 import engramdb
 from engramdb.io import foreground as fg_mod
 from engramdb.io.foreground import YIELD_ENV, Foreground
-from engramdb.io.tiers import BackgroundWarm
 from engramdb.testing.pages import evict
 
 ROW = 160
@@ -144,10 +144,7 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
         time.sleep(0.05)  # the rhythm is learnt
         with engramdb.open(path, background_warm=False) as db:
             s = db["t"]
-            shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
-            w = BackgroundWarm(
-                int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40, chunk=2 << 20
-            )
+            w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
             w.start()
             assert w.wait(60)
             assert w.state == "done"
@@ -200,8 +197,7 @@ def test_gap_pieces_of_every_size_complete_the_pass(
     path = _cold_db(tmp_path, 40_000)
     with engramdb.open(path, background_warm=False) as db:
         s = db["t"]
-        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
-        w = BackgroundWarm(int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40)
+        w = warm_pass(s, rate=1e12, budget=1 << 40)
         w.start()
         assert w.wait(60)
         assert (w.state, w.reason) == ("done", "")

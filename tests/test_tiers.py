@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from warm_checks import warmed_memory
+from warm_checks import warm_pass, warmed_memory
 
 import engramdb
 from engramdb.errors import InvalidArgument, MemoryLockRefused, RowIdOutOfRange
@@ -28,7 +28,6 @@ from engramdb.io.mapping import (
 )
 from engramdb.io.tiers import (
     BUDGET_ENV,
-    BackgroundWarm,
     mapped_rss_split,
     meminfo,
     page_cache_budget,
@@ -308,10 +307,7 @@ def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -
     path, _ = cold_db
     with engramdb.open(path, background_warm=False) as db:
         s = db["t"]
-        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
-        w = BackgroundWarm(
-            int(s.array().ctypes.data), shards, rate=1e12, budget=256 << 10, chunk=64 << 10
-        )
+        w = warm_pass(s, rate=1e12, budget=256 << 10, chunk=64 << 10)
         w.start()
         assert w.wait(60)
         assert (w.state, w.reason) == ("cancelled", "budget")
@@ -323,11 +319,8 @@ def test_background_warm_cancels(cold_db: tuple[Path, np.ndarray]) -> None:
     path, _ = cold_db
     with engramdb.open(path, background_warm=False) as db:
         s = db["t"]
-        shards = [(fd, int(sh.bytes)) for fd, sh in zip(s.fd_array.tolist(), s.info.shards)]
         # 1 KiB/s: after its first 64 KiB chunk the pass waits a minute for the rate bound.
-        w = BackgroundWarm(
-            int(s.array().ctypes.data), shards, rate=1024, budget=1 << 40, chunk=64 << 10
-        )
+        w = warm_pass(s, rate=1024, budget=1 << 40, chunk=64 << 10)
         w.start()
         w.cancel()
         assert w.wait(10) and (w.state, w.reason) == ("cancelled", "cancelled")
@@ -343,9 +336,7 @@ def test_background_warm_cancels(cold_db: tuple[Path, np.ndarray]) -> None:
                 break
             time.sleep(0.02)
         assert s.residency() < 0.5
-        w2 = BackgroundWarm(
-            int(s.array().ctypes.data), shards, rate=1e12, budget=1 << 40, margin=1 << 60
-        )
+        w2 = warm_pass(s, rate=1e12, budget=1 << 40, margin=1 << 60)
         w2.start()
         assert w2.wait(10) and (w2.state, w2.reason) == ("cancelled", "memory pressure")
         assert w2.bytes_read == 0

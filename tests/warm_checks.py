@@ -15,3 +15,13 @@ def warmed_memory(store: Any, nbytes: int) -> dict[str, Any]:
     assert m["page_cache_resident_bytes"] >= nbytes - 4096
     assert m["rss_file_bytes"] >= nbytes - 4096
     return m
+
+
+def warm_pass(store: Any, **options: Any) -> Any:
+    """A `BackgroundWarm` over ``store``'s shards (its mapping, its descriptors), not
+    started; ``options`` as `BackgroundWarm` takes them (``rate=`` and ``budget=`` at
+    least)."""
+    from engramdb.io.tiers import BackgroundWarm
+
+    shards = [(fd, int(sh.bytes)) for fd, sh in zip(store.fd_array.tolist(), store.info.shards)]
+    return BackgroundWarm(int(store.array().ctypes.data), shards, **options)
