@@ -25,7 +25,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["FOREGROUND", "YIELD_ENV", "Foreground"]
+from engramdb.io.mapping import populate_range
+from engramdb.layouts.geometry import PAGE
+
+__all__ = ["FOREGROUND", "YIELD_ENV", "Foreground", "read_in_gaps"]
 
 #: Set to ``0`` to keep the background warm at full speed beside foreground reads.
 YIELD_ENV = "ENGRAMDB_WARM_YIELD"
@@ -34,6 +37,8 @@ _RECENT_S = 0.25  # foreground reads within this long count as active
 _MAX_PERIOD_S = 0.5  # batch intervals longer than this are not a periodic loop
 _BUSY_MAX = 0.6  # busier than this (fraction of each interval reading): a heavy load
 _EWMA = 0.25
+_GAP_STEP = 1 << 20  # the smallest piece read between periodic foreground batches
+_GAP_MAX = 1 << 20  # the largest (16 MiB pieces in long gaps measured no better: 1 MiB)
 
 
 class Foreground:
@@ -131,6 +136,42 @@ class Foreground:
                     return 0.0
                 waited = True
                 self._cond.wait(max(0.0, min(wake - now, 0.05)))
+
+
+def read_in_gaps(
+    record: Foreground,
+    fd: int,
+    file_off: int,
+    addr: int,
+    n: int,
+    bps: float,
+    *,
+    populate: bool,
+    stop: threading.Event,
+) -> tuple[int, float]:
+    """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in pieces, each
+    started in a gap between ``record``'s batches (`Foreground.wait_gap`, never waiting
+    more than two of their periods) and sized to end before the next batch is due at the
+    pieces' observed rate ``bps`` (`_GAP_STEP` to `_GAP_MAX`): ``WILLNEED`` of exactly the
+    piece, then the wait for it (this process's page tables with ``populate``, else its
+    last page). Returns the pieces read and the updated rate; stops early once ``stop`` is
+    set."""
+    sub = pieces = 0
+    while sub < n and not stop.is_set():
+        left = record.wait_gap(_GAP_STEP / bps, timeout=max(0.02, 2 * record.period))
+        # no batch expected (inf): the largest piece; timed out (0): the smallest
+        fit = min(float(_GAP_MAX), 0.8 * left * bps)
+        m = min(n - sub, max(_GAP_STEP, int(fit) // PAGE * PAGE))
+        t = time.monotonic()
+        os.posix_fadvise(fd, file_off + sub, m, os.POSIX_FADV_WILLNEED)
+        if populate:
+            populate_range(addr + sub, m)
+        else:
+            os.pread(fd, 1, file_off + sub + m - 1)
+        bps += _EWMA * (m / max(time.monotonic() - t, 1e-6) - bps)
+        pieces += 1
+        sub += m
+    return pieces, bps
 
 
 #: The process's foreground record (one device queue is shared by all its tables).

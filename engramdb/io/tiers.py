@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engramdb.errors import InvalidArgument, MemoryLockRefused
-from engramdb.io.foreground import FOREGROUND
+from engramdb.io.foreground import FOREGROUND, read_in_gaps
 from engramdb.io.mapping import (
     LIBC,
     MADV_DONTNEED,
@@ -64,8 +64,6 @@ __all__ = [
 BUDGET_ENV = "ENGRAMDB_PAGE_CACHE_BUDGET"
 _MIN_MARGIN = 512 << 20
 _WILLNEED_STEP = 128 << 10  # the smallest common read_ahead_kb
-_GAP_STEP = 1 << 20  # the smallest piece read between periodic foreground batches
-_GAP_MAX = 1 << 20  # the largest (16 MiB pieces in long gaps measured no better: 1 MiB)
 _UNKNOWN_READ_AHEAD = 8 << 20
 
 
@@ -315,34 +313,6 @@ class BackgroundWarm:
         if state == "done" and done is not None:
             done()  # e.g. the read rule checks residency at its next batch, not 0.25 s later
 
-    def _read_in_gaps(self, own: int, file_off: int, addr: int, n: int) -> bool:
-        """Read ``n`` bytes of ``own`` at ``file_off`` (mapped at ``addr``) in pieces, each
-        started in a gap between foreground batches (`Foreground.wait_gap`, never waiting
-        more than two of their periods) and sized to end before the next batch is due (at
-        the pieces' observed rate; `_GAP_STEP` to `_GAP_MAX`): ``WILLNEED`` of exactly the
-        piece, then the wait for it (this process's page tables, or its last page). False
-        when cancelled."""
-        sub = 0
-        while sub < n:
-            if self._stop.is_set():
-                return False
-            need = _GAP_STEP / self._piece_bps
-            left = FOREGROUND.wait_gap(need, timeout=max(0.02, 2 * FOREGROUND.period))
-            # no batch expected (inf): the largest piece; timed out (0): the smallest
-            fit = min(float(_GAP_MAX), 0.8 * left * self._piece_bps)
-            m = min(n - sub, max(_GAP_STEP, int(fit) // PAGE * PAGE))
-            t = time.monotonic()
-            os.posix_fadvise(own, file_off + sub, m, os.POSIX_FADV_WILLNEED)
-            if self.populate:
-                populate_range(addr + sub, m)
-            else:
-                os.pread(own, 1, file_off + sub + m - 1)
-            dt = max(time.monotonic() - t, 1e-6)
-            self._piece_bps += 0.25 * (m / dt - self._piece_bps)
-            self.gap_pieces += 1
-            sub += m
-        return True
-
     def _run(self) -> None:
         t0 = time.monotonic()
         try:
@@ -374,27 +344,20 @@ class BackgroundWarm:
                             if self.bytes_added + missing * PAGE > self.budget:
                                 self._finish("cancelled", "budget")
                                 return
-                            if FOREGROUND.yielding():
-                                # periodic foreground reads (a decode loop): this chunk in
-                                # pieces, each in a gap between their batches, no read-ahead
-                                # past it (so the device queue is empty when a batch comes)
-                                if not self._read_in_gaps(own, start + off, addr, n):
-                                    self._finish("cancelled", "cancelled")
-                                    return
-                                self.bytes_read += n
-                                self.bytes_added += missing * PAGE
-                                if seq:
-                                    madvise(seq + off, n, MADV_DONTNEED)
-                                ahead = self.bytes_read / self.rate - (time.monotonic() - t0)
-                                if ahead > 0 and self._stop.wait(ahead):
-                                    self._finish("cancelled", "cancelled")
-                                    return
-                                continue
                             # Counted over the chunk plus the read-ahead window past it:
                             # read-ahead brings those pages in too.
                             win = min(size, off + n + slack) - off
                             before, pages = range_pages(addr, win)
-                            if self.bytes_added + (pages - before) * PAGE <= self.budget:
+                            if FOREGROUND.yielding():
+                                # periodic foreground reads (a decode loop): the chunk in
+                                # pieces, each in a gap between their batches, no read-ahead
+                                # past it (so the device queue is empty when a batch comes)
+                                pieces, self._piece_bps = read_in_gaps(
+                                    FOREGROUND, own, start + off, addr, n, self._piece_bps,
+                                    populate=self.populate, stop=self._stop,
+                                )  # fmt: skip
+                                self.gap_pieces += pieces
+                            elif self.bytes_added + (pages - before) * PAGE <= self.budget:
                                 # Faulted in through our own sequential mapping of our
                                 # own descriptor: read-ahead then fills the page cache
                                 # with 2 MiB folios, which mappings map with 2 MiB entries
@@ -416,8 +379,8 @@ class BackgroundWarm:
                             # (through the table's random-advice mapping it would stop, and
                             # the rest would come 4 KiB at a time)
                             populate_range(seq + off, n)
-                        if self.populate:  # this process's page tables (cheap when hot)
-                            populate_range(addr, n)
+                        if self.populate and not self._stop.is_set():  # page tables (cheap
+                            populate_range(addr, n)  # when hot; not after a cancelled piece)
                         if seq:  # our private view's page-table entries: not this RSS
                             madvise(seq + off, n, MADV_DONTNEED)
                         # Rate bound: never ahead of rate * elapsed.
