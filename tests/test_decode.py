@@ -204,6 +204,37 @@ def test_auto_keeps_prefetching_a_cold_table_despite_its_own_prefetches(
         assert dec.prefetched - before <= 2 * n - quiet
 
 
+def test_auto_prefetches_while_the_background_warm_reads(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a table's background warm is still reading it, a sample of resident rows says
+    little about the rest of a step's rows: the auto rule prefetches every step; once the
+    pass is over, a resident table is read without prefetches."""
+    h = small_qwen()
+    full = build_for(tmp_path, h, 2, "ple", 5)
+    n = 20
+    toks = tokens(rng, (1, n))
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        s = db["ple"]
+        s.populate()  # every row resident: on its own the rule would not prefetch
+        warming = [True]
+        monkeypatch.setattr(s, "warming", lambda: warming[0])
+        dec = Decoder({2: s}, h, auto_recheck_s=0.0)
+        out = np.empty(dec.out_shape, np.uint8)
+        for t in range(n):
+            dec.push(int(toks[0, t]))
+            dec.fill(out)
+            want = full[h.row_ids(toks[:, : t + 1], layer=2)[0, -1]]
+            assert np.array_equal(out.reshape(want.shape), want)
+        assert dec.prefetched == n
+        warming[0] = False
+        before = dec.prefetched
+        for t in range(n):
+            dec.push(int(toks[0, t]))
+            dec.fill(out)
+        assert dec.prefetched - before <= n // 2  # (this VM may reclaim idle pages)
+
+
 def test_auto_turns_prefetch_back_on_when_the_read_rule_sees_faults(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:

@@ -3,6 +3,7 @@ gaps between periodic foreground batches."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from warm_checks import warm_pass
 
 import engramdb
 from engramdb.io import foreground as fg_mod
-from engramdb.io.foreground import YIELD_ENV, Foreground
+from engramdb.io.foreground import YIELD_ENV, Foreground, idle_priority
 from engramdb.testing.pages import evict
 
 ROW = 160
@@ -202,3 +203,22 @@ def test_gap_pieces_of_every_size_complete_the_pass(
         assert w.wait(60)
         assert (w.state, w.reason) == ("done", "")
         assert w.gap_pieces >= 1 and s.residency() == 1.0
+
+
+def test_idle_priority_sets_and_restores_the_calling_threads_policy() -> None:
+    seen: list[int] = []
+
+    def run() -> None:
+        seen.append(os.sched_getscheduler(0))
+        assert idle_priority(True) is True
+        seen.append(os.sched_getscheduler(0))
+        assert idle_priority(False) is False
+        seen.append(os.sched_getscheduler(0))
+
+    t = threading.Thread(target=run)  # its own thread: the policy is per thread
+    t.start()
+    t.join()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread untouched
+    if seen[1] == seen[0]:
+        pytest.skip("SCHED_IDLE not allowed here")
+    assert seen == [os.SCHED_OTHER, os.SCHED_IDLE, os.SCHED_OTHER]

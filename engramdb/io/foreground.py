@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from engramdb.io.mapping import populate_range
 from engramdb.layouts.geometry import PAGE
 
-__all__ = ["FOREGROUND", "YIELD_ENV", "Foreground", "read_in_gaps"]
+__all__ = ["FOREGROUND", "YIELD_ENV", "Foreground", "idle_priority", "read_in_gaps"]
 
 #: Set to ``0`` to keep the background warm at full speed beside foreground reads.
 YIELD_ENV = "ENGRAMDB_WARM_YIELD"
@@ -172,6 +172,24 @@ def read_in_gaps(
         pieces += 1
         sub += m
     return pieces, bps
+
+
+_idle = threading.local()
+
+
+def idle_priority(on: bool) -> bool:
+    """Run the calling thread under ``SCHED_IDLE`` (``on``) or back under the normal policy,
+    changing it only when it differs; returns ``on``. Beside a decode loop the warm's CPU
+    (page-cache work, this process's page tables) then never delays the model's thread or a
+    prefetch; a throughput load keeps the warm at normal priority, so it is not starved."""
+    if getattr(_idle, "on", False) != on:
+        try:
+            policy = os.SCHED_IDLE if on else os.SCHED_OTHER
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        except OSError:  # not allowed here: the normal policy
+            return on
+        _idle.on = on
+    return on
 
 
 #: The process's foreground record (one device queue is shared by all its tables).

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engramdb.errors import InvalidArgument, MemoryLockRefused
-from engramdb.io.foreground import FOREGROUND, read_in_gaps
+from engramdb.io.foreground import FOREGROUND, idle_priority, read_in_gaps
 from engramdb.io.mapping import (
     LIBC,
     MADV_DONTNEED,
@@ -348,10 +348,11 @@ class BackgroundWarm:
                             # read-ahead brings those pages in too.
                             win = min(size, off + n + slack) - off
                             before, pages = range_pages(addr, win)
-                            if FOREGROUND.yielding():
+                            if idle_priority(FOREGROUND.yielding()):
                                 # periodic foreground reads (a decode loop): the chunk in
                                 # pieces, each in a gap between their batches, no read-ahead
-                                # past it (so the device queue is empty when a batch comes)
+                                # past it (so the device queue is empty when a batch comes),
+                                # on the CPU only when nothing else wants it
                                 pieces, self._piece_bps = read_in_gaps(
                                     FOREGROUND, own, start + off, addr, n, self._piece_bps,
                                     populate=self.populate, stop=self._stop,

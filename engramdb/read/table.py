@@ -319,6 +319,11 @@ class LocalTable(RowTable):
             return a.mapped_ok
         return self._mmap_only and self._backend is not None
 
+    def warming(self) -> bool:
+        """Whether the table's background warm pass is reading it now (attribute reads)."""
+        t = self._tiers
+        return t is not None and t.warm.running
+
     def resident_state(self) -> bool:
         """Whether the `auto` read rule last saw this table's pages resident (its mapped
         state). Fixed backends say nothing about residency: False."""
