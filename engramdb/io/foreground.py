@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from engramdb.io.mapping import populate_range
-from engramdb.layouts.geometry import PAGE
 
 __all__ = ["FOREGROUND", "YIELD_ENV", "Foreground", "idle_priority", "read_in_gaps"]
 
@@ -37,8 +36,9 @@ _RECENT_S = 0.25  # foreground reads within this long count as active
 _MAX_PERIOD_S = 0.5  # batch intervals longer than this are not a periodic loop
 _BUSY_MAX = 0.6  # busier than this (fraction of each interval reading): a heavy load
 _EWMA = 0.25
-_GAP_STEP = 1 << 20  # the smallest piece read between periodic foreground batches
-_GAP_MAX = 1 << 20  # the largest (16 MiB pieces in long gaps measured no better: 1 MiB)
+#: One piece read between periodic foreground batches (16 MiB pieces sized to long gaps
+#: measured no better here).
+_PIECE = 1 << 20
 
 
 class Foreground:
@@ -54,10 +54,8 @@ class Foreground:
         self.inflight = 0
         self.batches = 0
         self.last_start = float("-inf")
-        self.last_end = float("-inf")
         self.period = 0.0
         self.busy = 0.0
-        self.waits = 0  # gaps the warm waited for (counted for `BackgroundWarm` stats)
 
     def enter(self) -> None:
         """A foreground batch starts its device reads."""
@@ -80,10 +78,8 @@ class Foreground:
         with self._cond:
             self.inflight = max(0, self.inflight - 1)
             if self.inflight == 0:
-                now = self._clock()
-                self.last_end = now
                 if self.period > 0.0:
-                    frac = min(1.0, (now - self.last_start) / self.period)
+                    frac = min(1.0, (self._clock() - self.last_start) / self.period)
                     self.busy += _EWMA * (frac - self.busy)
                 self._cond.notify_all()
 
@@ -109,32 +105,25 @@ class Foreground:
                 and self.busy < _BUSY_MAX
             )
 
-    def wait_gap(self, need: float, *, timeout: float) -> float:
+    def wait_gap(self, need: float, *, timeout: float) -> bool:
         """Block until a read of about ``need`` seconds fits before the next batch is due:
         no batch in flight, and ``now + need`` not past the predicted next start (the last
-        start plus the period). Returns the seconds left until that start (``inf`` when no
-        batch is expected), or 0.0 when ``timeout`` ran out first (the caller reads anyway:
-        the warm is never starved)."""
+        start plus the period), or no batch expected any more. False when ``timeout`` ran
+        out first (the caller reads anyway: the warm is never starved)."""
         deadline = self._clock() + timeout
-        waited = False
         with self._cond:
             while True:
                 now = self._clock()
                 if self.inflight == 0:
                     due = self.last_start + self.period
-                    if self.period == 0.0 or now > due + self.period:
-                        return float("inf")  # no rhythm, or the loop stopped
-                    if now + need <= due:
-                        if waited:
-                            self.waits += 1
-                        return due - now
+                    if self.period == 0.0 or now > due + self.period or now + need <= due:
+                        return True  # no rhythm, the loop stopped, or the read fits
                     # a batch is due before this read would end: wait for it to start and end
                     wake = min(deadline, due + self.period)
                 else:
                     wake = deadline
                 if now >= deadline:
-                    return 0.0
-                waited = True
+                    return False
                 self._cond.wait(max(0.0, min(wake - now, 0.05)))
 
 
@@ -149,19 +138,16 @@ def read_in_gaps(
     populate: bool,
     stop: threading.Event,
 ) -> tuple[int, float]:
-    """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in pieces, each
-    started in a gap between ``record``'s batches (`Foreground.wait_gap`, never waiting
-    more than two of their periods) and sized to end before the next batch is due at the
-    pieces' observed rate ``bps`` (`_GAP_STEP` to `_GAP_MAX`): ``WILLNEED`` of exactly the
-    piece, then the wait for it (this process's page tables with ``populate``, else its
-    last page). Returns the pieces read and the updated rate; stops early once ``stop`` is
-    set."""
+    """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
+    each started in a gap between ``record``'s batches that it ends before the next is due
+    at the pieces' observed rate ``bps`` (`Foreground.wait_gap`, never waiting more than two
+    of their periods): ``WILLNEED`` of exactly the piece, then the wait for it (this
+    process's page tables with ``populate``, else its last page). Returns the pieces read
+    and the updated rate; stops early once ``stop`` is set."""
     sub = pieces = 0
     while sub < n and not stop.is_set():
-        left = record.wait_gap(_GAP_STEP / bps, timeout=max(0.02, 2 * record.period))
-        # no batch expected (inf): the largest piece; timed out (0): the smallest
-        fit = min(float(_GAP_MAX), 0.8 * left * bps)
-        m = min(n - sub, max(_GAP_STEP, int(fit) // PAGE * PAGE))
+        record.wait_gap(_PIECE / bps, timeout=max(0.02, 2 * record.period))
+        m = min(n - sub, _PIECE)
         t = time.monotonic()
         os.posix_fadvise(fd, file_off + sub, m, os.POSIX_FADV_WILLNEED)
         if populate:

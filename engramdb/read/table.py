@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -403,12 +404,9 @@ class LocalTable(RowTable):
         t0 = time.perf_counter()
         plan = self.plan_for(flat)
         scratch = self.scratch("reads", plan.scratch_bytes)
-        fds = self._fd_array[plan.shard]
-        if n <= FOREGROUND_ROWS:  # a decode step's batch: the background warm reads around it
-            with FOREGROUND.reading():
-                chosen.read(fds, plan.offset, plan.length, scratch, plan.dest_offset)
-        else:
-            chosen.read(fds, plan.offset, plan.length, scratch, plan.dest_offset)
+        # a decode step's batch: the background warm reads around it
+        with FOREGROUND.reading() if n <= FOREGROUND_ROWS else nullcontext():
+            chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
         assemble(plan, scratch, out2d)
         if seg is not None:
             seg.fill_resident(flat, out2d)  # attached: the columns kept in RAM, not read
