@@ -6,6 +6,7 @@ skipped where vLLM is not installed."""
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -485,3 +486,19 @@ def test_vllm_qwen4exp_fp8_table_keeps_weight_scale(vllm_qwen: Any, tmp_path: An
     emb.gather(flat, out=out)
     assert torch.equal(out.view(torch.uint8), rows[flat].view(torch.uint8))
     db.close()
+
+
+def test_registry_child_inspects_a_model_with_the_broken_packages_hidden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM inspects an architecture in a child process when its cache misses; that child
+    must hide what this process hid (a fresh machine has no cache: the test forces the miss)."""
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    if not os.environ.get("ENGRAMDB_HIDDEN_MODULES"):
+        pytest.skip("every media package imports here: nothing is hidden")
+    assert registry._SUBPROCESS_COMMAND[1:] == ["-m", "engramdb.integrations.engines._vllm_child"]
+    lazy = registry.ModelRegistry.models["Gemma3nForCausalLM"]
+    monkeypatch.setattr(type(lazy), "_load_modelinfo_from_cache", lambda self, h: None)
+    monkeypatch.setattr(type(lazy), "_save_modelinfo_to_cache", lambda self, mi, h: None)
+    info = lazy.inspect_model_cls()
+    assert info.architecture == "Gemma3nForCausalLM"
