@@ -32,7 +32,10 @@ import numpy as np
 
 from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
 from engramdb.keygen.presets import preset_for_table, table_record
+from engramdb.read.autorule import PrefetchRule
 from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
+from engramdb.read.step_plan import RUNNING, StepTicket, grid_view
+from engramdb.read.steps import StepReader
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.validate import check_output
@@ -63,18 +66,17 @@ class Decoder:
     ``compressed``: the pushed ids are already tokenizer-compressed (DeepSeek kinds and
     engram-peft without a token map).
 
-    The ``auto`` rule judges residency from rows the decoder has *not* prefetched: every
-    ``auto_recheck_s`` seconds it checks (``mincore``, ~2 us a page) a few of the rows a push
-    has just hashed, before submitting them; all resident turns prefetch off, any miss on.
-    While off, a fill the read rule saw page-faulting (it leaves its mapped state or marks it
-    suspect) makes the next push check at once (a slow gather on a busy machine then costs a
-    check, not a switch). Its own prefetched fills never count:
-    they read from the mapping directly and do not move the read rule. ``auto_checks`` /
-    ``auto_switches`` count the checks and the decisions that changed.
+    The ``auto`` rule (`engramdb.read.autorule.PrefetchRule`, ``rule``; its sample interval
+    ``auto_recheck_s``) judges residency from rows the decoder has *not* prefetched, and
+    whether prefetched rows are cold. ``auto_checks`` / ``auto_switches`` count its samples
+    and the decisions that changed.
 
-    Prefetches keep the rows they read (``keep_rows``): `fill` copies them from there
-    (``kept_fills``), so neither thread faults on a mapping this process has not populated;
-    a fill through the mapping that faulted keeps ``auto`` prefetching for ``auto_fault_s``.
+    Cold rows of tables that are one mapped array are read by a `StepReader`: at `push`,
+    one ``O_DIRECT`` read per row goes to the process's io_uring polling thread (nothing to
+    wait for here); at `fill` the rows come from its staging buffer, every layer asked for in
+    one gather straight into ``out``. Other prefetches keep the rows they read
+    (``keep_rows``): `fill` copies them from there (``kept_fills`` counts both), so no thread
+    faults on a mapping this process has not populated.
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
@@ -138,20 +140,8 @@ class Decoder:
                 )
         self.compressed = bool(compressed)
         self._streams = [h.stream(layer=lay, compressed=self.compressed) for lay in self.layers]
-        # The auto rule, per layer: None (not judged yet), True (prefetch), False (resident).
-        self.auto_recheck_s = float(auto_recheck_s)
-        self._auto_on: list[bool | None] = [None] * len(self.stores)
-        self._auto_at = [-float("inf")] * len(self.stores)
-        self._auto_own = [
-            s is not None and s.backend_name == "auto" and s.cache is None for s in self._local
-        ]
-        self._auto_was_mapped = [False] * len(self.stores)
-        #: Seconds prefetch stays on after a fill through the mapping faulted (a resident
-        #: table whose mapping this process has not populated: faults cost more than reads).
-        self.auto_fault_s = 1.0
-        self._auto_fault_until = [-float("inf")] * len(self.stores)
-        self.auto_checks = 0
-        self.auto_switches = 0
+        #: The ``auto`` rule: per layer, prefetch or not, and from where (`PrefetchRule`).
+        self.rule = PrefetchRule(self._local, prefetch, auto_recheck_s)
         self._pending_t: int | None = None  # positions of a pending prefill (None: a step)
         # Per layer: the row ids behind its last fill and the buffer that fill wrote.
         self.filled_rows: list[np.ndarray | None] = [None] * len(self.stores)
@@ -161,7 +151,16 @@ class Decoder:
         if any(n != self.n_heads for n in heads):
             raise InvalidArgument("the layers have different head counts")
         self._rows: list[np.ndarray] | None = None
-        self._tickets: list[Ticket | None] = [None] * len(self.stores)
+        self._tickets: list[Ticket | StepTicket | None] = [None] * len(self.stores)
+        #: Reads each step's cold rows of the layers that are one mapped array, from this
+        #: thread, without waiting (`StepReader`, made at the first prefetch; None where
+        #: io_uring is unavailable); other tables, and steps it refuses, use the table's
+        #: `Prefetcher`.
+        self._reader: StepReader | None = None
+        self._reader_ok = StepReader.available()
+        self._step_out: np.ndarray | None = None  # the buffer this step's rows went to
+        #: per layer (-1: all): the buffer last filled, as the reader's grid of rows
+        self._dest_keys: dict[int, tuple[Any, ...]] = {}
         self.steps = 0
         # One sequence, one table: the decode step engines issue most; see `_push1`/`_fill1`.
         self._single = self.batch is None and len(self.stores) == 1
@@ -193,6 +192,16 @@ class Decoder:
         self.withdrawn_fills = 0
 
     @property
+    def auto_checks(self) -> int:
+        """Residency samples the ``auto`` rule took (`PrefetchRule.checks`)."""
+        return self.rule.checks
+
+    @property
+    def auto_switches(self) -> int:
+        """Decisions of the ``auto`` rule that changed (`PrefetchRule.switches`)."""
+        return self.rule.switches
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
         """Shape `fill` writes for a step: ``[H, rb]``, ``[B, H, rb]`` or (several layers)
         ``[B, L, H, rb]`` (``[L, H, rb]`` for one sequence)."""
@@ -218,64 +227,44 @@ class Decoder:
         t = self._pending_t
         return self.out_shape if t is None else self.prefill_shape(t)
 
-    # -- the auto rule -------------------------------------------------------------------------
-    def _rows_resident(self, store: LocalTable, flat: np.ndarray) -> bool:
-        """Whether a few evenly spread rows of ``flat`` sit on resident pages (``mincore``)."""
-        self.auto_checks += 1
-        return store.rows_resident(flat)
-
-    def _want(self, i: int, store: LocalTable | None, flat: np.ndarray) -> bool:
-        """Whether layer ``i``'s rows ``flat`` (just hashed, not yet read) get a prefetch."""
-        pf = self.prefetch
-        if store is None or pf is False:
-            return False
-        if pf is True:
-            return True
-        if not self._auto_own[i]:  # a fixed backend or a RAM tier: the store's own rule
-            return not store.mapped_state()
-        on = self._auto_on[i]
-        now = time.monotonic()
-        if now < self._auto_fault_until[i] or store.warming():
-            # fills through the mapping fault, or the background warm is still reading the
-            # table (a sample of resident rows says little then: at B=8 the rows it missed
-            # faulted 16-21 times a step, 3.6 ms a fill): prefetch
-            if on is False:
-                self.auto_switches += 1
-            self._auto_on[i] = True
-            return True
-        # While off, the read rule's view of the fills is a hint to look again now: a slow
-        # gather (it suspects faults, or a busy machine) or misses that made it leave its
-        # mapped state. The decision itself always comes from the rows just hashed.
-        hint = on is False and (
-            (store.resident_state() and not store.mapped_state())
-            or (self._auto_was_mapped[i] and not store.resident_state())
-        )
-        if hint or on is None or now - self._auto_at[i] >= self.auto_recheck_s:
-            self._auto_at[i] = now
-            decided = not self._rows_resident(store, flat)
-        else:
-            decided = on
-        if on is not None and decided != on:
-            self.auto_switches += 1
-        self._auto_on[i] = decided
-        self._auto_was_mapped[i] = store.resident_state()
-        return decided
-
     # -- steps ---------------------------------------------------------------------------------
-    def _submit(self, i: int, flat: np.ndarray) -> None:
+    def _submit(self, i: int, flat: np.ndarray, jobs: list[Any]) -> None:
+        """Decide layer ``i``'s prefetch of ``flat``: a job for the step reader (appended to
+        ``jobs``, submitted once per step by `_flush`), a `Prefetcher` ticket, or none."""
         old = self._tickets[i]
         if old is not None and old.state == QUEUED:
             old.cancel()
         store = self._local[i]
-        if self._want(i, store, flat):
+        if self.rule.want(i, store, flat):
             assert store is not None
-            self._tickets[i] = store.prefetcher.submit_trusted(flat, keep_rows=True)
+            if self.rule.cold[i] and self._reader_ok and self._direct[i] is not None:
+                t: Ticket | StepTicket = StepTicket(flat)
+                jobs.append((store, flat, t))
+            else:
+                t = store.prefetcher.submit_trusted(flat, keep_rows=True)
+            self._tickets[i] = t
             self.prefetched += 1
         else:
             self._tickets[i] = None
 
+    def _flush(self, jobs: list[Any]) -> None:
+        """Start one step's reads of every layer at once (`StepReader.submit`); a step it
+        refuses (too many rows, a file system without O_DIRECT) goes to the tables'
+        prefetchers."""
+        if not jobs:
+            return
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = StepReader()
+        if not reader.submit(jobs):
+            for store, flat, t in jobs:
+                i = next(k for k, x in enumerate(self._tickets) if x is t)
+                self._tickets[i] = store.prefetcher.submit_trusted(flat, keep_rows=True)
+
     def __repr__(self) -> str:
-        tables = ", ".join(f"{getattr(t, 'name', '?')}@{layer}" for layer, t in zip(self.layers, self.stores))
+        tables = ", ".join(
+            f"{getattr(t, 'name', '?')}@{layer}" for layer, t in zip(self.layers, self.stores)
+        )
         return (
             f"Decoder(preset={self.hasher.name or self.hasher.kind!r}, tables=[{tables}], "
             f"batch={self.batch}, prefetch={self.prefetch!r}, row_bytes={self.row_bytes})"
@@ -298,7 +287,9 @@ class Decoder:
         if type(token_ids) is not int:
             token_ids = _one_token(token_ids)
         r = self._streams[0].push(token_ids)
-        self._submit(0, r)
+        jobs: list[Any] = []
+        self._submit(0, r, jobs)
+        self._flush(jobs)
         return self._stepped([r], None)
 
     def _push_streams(
@@ -307,19 +298,59 @@ class Decoder:
         """Push ``tok`` into every layer's key stream, submit each layer's rows for prefetch
         (``shape``: the rows' per-step shape) and record the step."""
         rows = []
+        jobs: list[Any] = []
         for i, st in enumerate(self._streams):
             r = st.push(tok)
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
-            self._submit(i, r.reshape(-1))
+            self._submit(i, r.reshape(-1), jobs)
+        self._flush(jobs)
         return self._stepped(rows, pending_t)
 
     def _stepped(self, rows: list[np.ndarray], pending_t: int | None) -> list[np.ndarray]:
         self._rows = rows
         self._pending_t = pending_t
+        self._step_out = None
         self.steps += 1
         return rows
+
+    def _fill_step(
+        self, out: np.ndarray, rows: list[np.ndarray], which: range | tuple[int, ...]
+    ) -> bool:
+        """The step reader's fast path: the layers ``which`` of this step straight from the
+        reader into their slices of ``out`` (all layers at once: one gather), when the
+        reader is reading each of them. False (nothing written) otherwise."""
+        if self._step_out is out:
+            return True  # every layer of this step is in this buffer already
+        reader = self._reader
+        if reader is None:
+            return False
+        tickets = self._tickets
+        for i in which:
+            t = tickets[i]
+            if type(t) is not StepTicket or t.state != RUNNING or t.reader is not reader:
+                return False
+        unit = reader.step_unit
+        every = len(which) == len(rows)
+        for i in (-1,) if every else which:
+            dk = self._dest_keys.get(i)
+            if dk is not None and dk[0] is out and dk[1] == self._pending_t and dk[2] == unit:
+                dest = dk[3]
+            else:
+                lead = rows[0].shape[:-1]
+                dest = grid_view(out, lead, len(rows), self.n_heads, unit, i)
+                self._dest_keys[i] = (out, self._pending_t, unit, dest)
+            t = None if every else tickets[i]
+            if not reader.finish_into(dest, t):  # type: ignore[arg-type]
+                return False
+        for i in which:
+            self.filled_rows[i], self.filled_out[i] = rows[i], out
+            tickets[i] = None
+        self.kept_fills += len(which)
+        if every:
+            self._step_out = out
+        return True
 
     def prefill(self, token_ids: Any) -> list[np.ndarray]:
         """Take a prompt (``[T]`` for one sequence, ``[B, T]`` for the batch) at once: one
@@ -343,6 +374,8 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
+        if self._fill_step(out, [r], (0,)):
+            return out
         self.filled_rows[0], self.filled_out[0] = r, out
         store = self._local[0]
         if store is None:
@@ -402,7 +435,7 @@ class Decoder:
                     )
                 j = self.layers.index(layer)
             which = (j,)
-        if self._fill_direct(out, rows, which, key[2]):
+        if self._fill_step(out, rows, which) or self._fill_direct(out, rows, which, key[2]):
             return out
         n_layers = len(self.stores)
         if n_layers == 1:
@@ -476,7 +509,14 @@ class Decoder:
             if t is None:
                 if tbl is None or not self._mapped[i]():
                     return False
-            elif t.state != DONE or t.rows is None:
+                continue
+            if t.state != DONE and type(t) is StepTicket:
+                try:
+                    t.wait()  # collects the reads this step's push started
+                except BaseException:
+                    self._tickets[i] = None
+                    raise
+            if t.state != DONE or t.rows is None:
                 return False
         pc = time.perf_counter
         for i in which:
@@ -484,8 +524,9 @@ class Decoder:
             self.filled_rows[i], self.filled_out[i] = r, out
             t = self._tickets[i]
             self._tickets[i] = None
-            if t is not None:  # the rows the prefetch read (kept on the ticket)
-                take_kept(t, r, shaped[i])
+            # the rows the prefetch read (kept on the ticket); a lane ticket whose ids are not
+            # this step's (never expected) falls through to a read from the mapping
+            if t is not None and take_kept(t, r, shaped[i]):
                 self.kept_fills += 1
                 continue
             tbl = tables[i]
@@ -500,7 +541,7 @@ class Decoder:
                 self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
                 # prefetch for a while: the worker reads the rows (from the page cache when
                 # resident) and fills copy them, so this thread takes no faults
-                self._auto_fault_until[i] = time.monotonic() + self.auto_fault_s
+                self.rule.faulted(i)
         return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:

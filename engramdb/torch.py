@@ -17,6 +17,8 @@ import numpy as np
 
 from engramdb.errors import InvalidArgument, InvalidDtype, MissingDependency
 from engramdb.read.prefetch import take_kept
+from engramdb.read.step_plan import StepTicket
+from engramdb.read.steps import StepReader
 from engramdb.rowcodec import RowCodec, codec_for
 from engramdb.table_api import RowTable
 from engramdb.validate import unsigned_max
@@ -253,6 +255,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._fast = self._table_np is not None and decoder is None
         # Per-call state in a plain object: ``nn.Module.__setattr__`` costs microseconds.
         self._hot = _Hot()
+        # Cold rows of a table that is one mapped array are prefetched by a step reader
+        # (O_DIRECT through the process's io_uring polling thread: nothing for this thread
+        # to wait for); others by the table's prefetcher.
+        self._reader: StepReader | None = None
+        self._reader_ok = self._fast and StepReader.available()
         #: How often (seconds) `prefetch` looks whether a table not served from its mapping
         #: has become resident (then the forward reads it, and prefetches stop).
         self.resident_recheck_s = 0.1
@@ -332,7 +339,18 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 if self.store.rows_resident(flat):  # type: ignore[attr-defined]
                     hot.resident_skips += 1
                     return False
-        hot.ticket = pf.submit_trusted(flat, keep_rows=True)
+        ticket: Any = None
+        if self._reader_ok:
+            reader = self._reader
+            if reader is None:
+                reader = self._reader = StepReader()
+            ticket = StepTicket(flat)
+            store: Any = self.store  # a local table: `_fast` holds
+            if not reader.submit([(store, flat, ticket)]):
+                ticket = None
+        if ticket is None:
+            ticket = pf.submit_trusted(flat, keep_rows=True)
+        hot.ticket = ticket
         hot.ticket_ids = flat
         hot.prefetches += 1
         return True

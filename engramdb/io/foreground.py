@@ -56,6 +56,8 @@ class Foreground:
         self.last_start = float("-inf")
         self.period = 0.0
         self.busy = 0.0
+        #: Batches announced with `note` count as in flight until this time.
+        self.busy_until = float("-inf")
 
     def enter(self) -> None:
         """A foreground batch starts its device reads."""
@@ -64,8 +66,8 @@ class Foreground:
             if self.inflight == 0:
                 gap = now - self.last_start
                 if 0.0 < gap < _MAX_PERIOD_S:
-                    self.period = gap if self.period == 0.0 else self.period + _EWMA * (
-                        gap - self.period
+                    self.period = (
+                        gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
                     )
                 elif gap >= _MAX_PERIOD_S:
                     self.period = 0.0  # a pause: the rhythm is learnt again
@@ -83,6 +85,27 @@ class Foreground:
                     self.busy += _EWMA * (frac - self.busy)
                 self._cond.notify_all()
 
+    def note(self, duration: float) -> None:
+        """A batch whose reads were handed to the kernel and are expected to take about
+        ``duration`` seconds (`engramdb.read.steps.StepReader`: nobody waits on them until
+        the engine needs the rows, so their end is estimated, not observed). It counts as in
+        flight until then."""
+        with self._cond:
+            now = self._clock()
+            if self.inflight == 0 and now >= self.busy_until:
+                gap = now - self.last_start
+                if 0.0 < gap < _MAX_PERIOD_S:
+                    self.period = (
+                        gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
+                    )
+                elif gap >= _MAX_PERIOD_S:
+                    self.period = 0.0
+                self.last_start = now
+                if self.period > 0.0:
+                    self.busy += _EWMA * (min(1.0, duration / self.period) - self.busy)
+            self.busy_until = max(self.busy_until, now + duration)
+            self.batches += 1
+
     @contextmanager
     def reading(self) -> Iterator[None]:
         """``with FOREGROUND.reading(): backend.read(...)``."""
@@ -99,11 +122,7 @@ class Foreground:
             return False
         with self._cond:
             now = self._clock()
-            return (
-                self.period > 0.0
-                and now - self.last_start < _RECENT_S
-                and self.busy < _BUSY_MAX
-            )
+            return self.period > 0.0 and now - self.last_start < _RECENT_S and self.busy < _BUSY_MAX
 
     def wait_gap(self, need: float, *, timeout: float) -> bool:
         """Block until a read of about ``need`` seconds fits before the next batch is due:
@@ -114,14 +133,14 @@ class Foreground:
         with self._cond:
             while True:
                 now = self._clock()
-                if self.inflight == 0:
+                if self.inflight == 0 and now >= self.busy_until:
                     due = self.last_start + self.period
                     if self.period == 0.0 or now > due + self.period or now + need <= due:
                         return True  # no rhythm, the loop stopped, or the read fits
                     # a batch is due before this read would end: wait for it to start and end
                     wake = min(deadline, due + self.period)
                 else:
-                    wake = deadline
+                    wake = min(deadline, max(self.busy_until, now + 1e-4))
                 if now >= deadline:
                     return False
                 self._cond.wait(max(0.0, min(wake - now, 0.05)))

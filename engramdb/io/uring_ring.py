@@ -28,8 +28,13 @@ IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
 IORING_OFF_SQES = 0x10000000
 IORING_ENTER_GETEVENTS = 1 << 0
+IORING_ENTER_SQ_WAKEUP = 1 << 1
+IORING_SQ_NEED_WAKEUP = 1 << 0
 IORING_FEAT_SINGLE_MMAP = 1 << 0
+IORING_SETUP_SQPOLL = 1 << 1
+IORING_SETUP_SQ_AFF = 1 << 2
 IORING_SETUP_CLAMP = 1 << 4
+IORING_SETUP_ATTACH_WQ = 1 << 5
 IORING_SETUP_SUBMIT_ALL = 1 << 7
 IORING_SETUP_COOP_TASKRUN = 1 << 8
 IORING_OP_READ = 22
@@ -163,11 +168,32 @@ def enter(ring_fd: int, to_submit: int, min_complete: int, flags: int) -> int:
 class Ring:
     """One io_uring instance: its fd, the three mmapped regions and numpy views over them."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(
+        self,
+        entries: int,
+        *,
+        sqpoll_idle_ms: int | None = None,
+        attach_fd: int | None = None,
+        sqpoll_cpu: int | None = None,
+    ) -> None:
+        """``sqpoll_idle_ms``: a kernel thread polls the submission queue (``SQPOLL``) and
+        sleeps after that many idle milliseconds, bound to CPU ``sqpoll_cpu`` if given
+        (``SQ_AFF``); ``attach_fd``: share the polling thread of that ring (``ATTACH_WQ``).
+        Raises `OSError` where the kernel refuses."""
         params = Params()
-        params.flags = IORING_SETUP_CLAMP | IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN
+        if sqpoll_idle_ms is not None:
+            params.flags = IORING_SETUP_SQPOLL | IORING_SETUP_CLAMP
+            params.sq_thread_idle = int(sqpoll_idle_ms)
+            if sqpoll_cpu is not None:
+                params.flags |= IORING_SETUP_SQ_AFF
+                params.sq_thread_cpu = int(sqpoll_cpu)
+            if attach_fd is not None:
+                params.flags |= IORING_SETUP_ATTACH_WQ
+                params.wq_fd = int(attach_fd)
+        else:
+            params.flags = IORING_SETUP_CLAMP | IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN
         fd = int(_syscall(_L(SYS_IO_URING_SETUP), _L(entries), ctypes.byref(params)))
-        if fd < 0 and ctypes.get_errno() == _errno.EINVAL:
+        if fd < 0 and ctypes.get_errno() == _errno.EINVAL and sqpoll_idle_ms is None:
             # Older kernels reject the newer setup flags; plain rings work the same here.
             params = Params()
             params.flags = IORING_SETUP_CLAMP
@@ -176,6 +202,7 @@ class Ring:
             e = ctypes.get_errno()
             raise OSError(e, f"io_uring_setup({entries}) failed: {os.strerror(e)}")
         self.fd = fd
+        self.sqpoll = sqpoll_idle_ms is not None
         self._maps: list[mmap.mmap] = []
         try:
             self._map(params)
@@ -215,6 +242,7 @@ class Ring:
         self.sq_mask = int(u32(sq_map, p.sq_off.ring_mask)[0])
         self.sq_head = u32(sq_map, p.sq_off.head)
         self.sq_tail = u32(sq_map, p.sq_off.tail)
+        self.sq_flags = u32(sq_map, p.sq_off.flags)  # IORING_SQ_NEED_WAKEUP (SQPOLL)
         sq_array = np.frombuffer(sq_map, dtype="<u4", count=self.entries, offset=p.sq_off.array)
         sq_array[:] = np.arange(self.entries, dtype=np.uint32)
         del sq_array
@@ -267,7 +295,7 @@ class Ring:
         return got
 
     def close(self) -> None:
-        for name in ("sq_head", "sq_tail", "cq_head", "cq_tail", "cqes", "sqes"):
+        for name in ("sq_head", "sq_tail", "sq_flags", "cq_head", "cq_tail", "cqes", "sqes"):
             self.__dict__.pop(name, None)
         for m in self._maps:
             try:

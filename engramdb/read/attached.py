@@ -455,6 +455,14 @@ class SourceSegments:
         """(file index, file offset) of each id's first column (the read rule's sample)."""
         return self.columns[0].where(ids)
 
+    def single_layout(self) -> tuple[int, int] | None:
+        """``(file index, byte offset of row 0)`` when the table is one run of one column
+        (`single`): row ``r`` then lies at ``offset + r * row_bytes`` of that file."""
+        if self.single is None:
+            return None
+        one = self.columns[0]
+        return int(one.file[0]), int(one.offset[0])
+
     def plan(self, flat: np.ndarray) -> ReadPlan:
         """Syscall reads for validated ids: per distinct id one read per column not resident
         (columns adjacent in one file merged), landing at ``i * row_bytes + column start``

@@ -8,7 +8,12 @@ microseconds: a bounds check and a queue append) and a background thread reads t
   table's read path below the tier and admitted);
 * otherwise into the page cache: one buffered batch through io_uring (else preadv) — sorted,
   deduplicated, every row in flight at once — followed by a gather through the table's mapping,
-  so the page-table entries exist too and the later gather runs at memory speed.
+  so the page-table entries exist too and the later gather runs at memory speed;
+* a decode step's rows kept on the ticket (``keep_rows``, at most `ADVISE_ROWS` rows of a
+  table that is one mapped array): one ``process_madvise(MADV_WILLNEED)`` call starts every
+  row's read (`engramdb.io.advise.willneed_rows`), then one ``np.take`` from the mapping
+  gathers them as they arrive. Both calls release the GIL: a few microseconds of Python a
+  step, where the io_uring batch holds the GIL ~0.2 ms, which a model thread waits for.
 
 A later `Store.fetch` / `fetch_into` / `lookup_into` of rows that are still being read waits for
 them (and only for them); a ticket that failed raises its error at the first fetch that needs
@@ -30,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engramdb.errors import InvalidArgument, StoreClosed
+from engramdb.errors import EngramDBError, InvalidArgument, StoreClosed
+from engramdb.io.advise import willneed_rows
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
@@ -67,6 +73,8 @@ class RowSource(Protocol):
 
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+#: Kept-rows tickets up to this many rows are read by advice + gather (a decode step's).
+ADVISE_ROWS = 4096
 _SMALL_PRODUCT = 1 << 16  # below this, a broadcast compare beats np.isin's sort
 
 
@@ -128,13 +136,31 @@ class Ticket:
         return f"<Ticket {self.state} {self.ids.size} rows>"
 
 
-def take_kept(t: Ticket, ids: np.ndarray, out: np.ndarray) -> bool:
+class KeptRows(Protocol):
+    """A finished read that kept its rows: a ``keep_rows`` `Ticket` (``uids`` sorted unique,
+    ``rows[k]`` is row ``uids[k]``) or a decode lane's ticket (``uids`` None, ``rows`` in the
+    order of its ``ids``)."""
+
+    ids: np.ndarray
+    uids: np.ndarray | None
+    rows: np.ndarray | None
+    state: str
+
+
+def take_kept(t: KeptRows, ids: np.ndarray, out: np.ndarray) -> bool:
     """Copy rows ``ids`` (any shape, each one the ticket asked for) from a finished
     ``keep_rows`` ticket into ``out`` (``ids.shape + (row_bytes,)``, may be strided). False
-    when the ticket kept no rows (nothing written)."""
+    when the ticket kept no rows, or (rows in request order) ``ids`` are not exactly the
+    ticket's (nothing written)."""
     uids, rows = t.uids, t.rows
-    if uids is None or rows is None or t.state != DONE:
+    if rows is None or t.state != DONE:
         return False
+    if uids is None:  # in request order: only the very ids it read
+        mine = t.ids
+        if mine.size != ids.size or mine.tobytes() != ids.tobytes():
+            return False
+        out[...] = rows.reshape(out.shape)
+        return True
     rows.take(np.searchsorted(uids, ids), 0, out, "clip")
     return True
 
@@ -389,13 +415,31 @@ class Prefetcher:
             t.uids, t.rows = t.ids[:0], np.zeros((0, store.row_bytes), np.uint8)
             return 0
         ids = np.unique(t.ids)
-        plan, scratch = self._read_buffered(ids)
         self._slot ^= 1
         name = f"prefetch_rows{self._slot}"
         rows = store.scratch(name, ids.size * store.row_bytes).reshape(ids.size, store.row_bytes)
-        assemble(plan, scratch, rows)
+        if not (ids.size <= ADVISE_ROWS and self._read_advised(ids, rows)):
+            plan, scratch = self._read_buffered(ids)
+            assemble(plan, scratch, rows)
         t.uids, t.rows = ids, rows
         return int(ids.size)
+
+    def _read_advised(self, ids: np.ndarray, rows: np.ndarray) -> bool:
+        """Rows ``ids`` (sorted unique) of a table that is one mapped array into ``rows``: one
+        ``MADV_WILLNEED`` call for all their pages, then one gather that waits for the pages
+        still in flight. False (nothing read) for a table that is not one mapped array."""
+        store = self.store
+        try:
+            table = store.array()  # an attached table's truncation check included
+        except EngramDBError:
+            if store.closed:
+                raise
+            return False  # rows assembled from several source columns: syscall reads
+        store.note_buffered_read()  # a table that fits starts its background warm (once)
+        with FOREGROUND.reading():  # a future step's rows: the background warm reads around it
+            willneed_rows(int(table.ctypes.data), ids, store.row_bytes)
+            table.take(ids, 0, rows, "clip")
+        return True
 
     def close(self) -> None:
         """Cancel queued tickets, let a running one finish, stop the thread. Idempotent."""

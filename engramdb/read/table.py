@@ -208,6 +208,8 @@ class LocalTable(RowTable):
             "rows_fetched": 0,
             "small_gathers": 0,
             "prefetched_gathers": 0,
+            "step_rows": 0,
+            "step_device_bytes": 0,
         }
         self._fast_counts = {"calls": 0, "rows": 0}  # the mapped fast paths
         self._cache: RowCache | None = None
@@ -406,7 +408,9 @@ class LocalTable(RowTable):
         scratch = self.scratch("reads", plan.scratch_bytes)
         # a decode step's batch: the background warm reads around it
         with FOREGROUND.reading() if n <= FOREGROUND_ROWS else nullcontext():
-            chosen.read(self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset)
+            chosen.read(
+                self._fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
+            )
         assemble(plan, scratch, out2d)
         if seg is not None:
             seg.fill_resident(flat, out2d)  # attached: the columns kept in RAM, not read
@@ -771,10 +775,39 @@ class LocalTable(RowTable):
         return self._mapping.residency()
 
     # -- counters ----------------------------------------------------------------------------
+    def note_step_read(self, rows: int, device_bytes: int) -> None:
+        """A decoder's `engramdb.read.steps.StepReader` read ``rows`` rows of this table with
+        ``device_bytes`` asked of the device (``O_DIRECT`` spans); counted in `counters`."""
+        c = self._counters
+        c["step_rows"] += rows
+        c["step_device_bytes"] += device_bytes
+
+    def step_layout(self) -> tuple[list[int], int, int] | None:
+        """Where rows lie, for readers that compute offsets themselves: ``(descriptors,
+        rows per file, byte offset of row 0)`` — row ``r`` is at ``base + (r % rows_per_file)
+        * row_bytes`` of descriptor ``r // rows_per_file`` (``rows_per_file`` 0: one file).
+        None for an attached table assembled from several tensors."""
+        seg = self._segments
+        if seg is None:
+            return list(self._fds), int(self.geometry.rows_per_shard), 0
+        one = seg.single_layout()
+        if one is None:
+            return None
+        return [self._fds[one[0]]], 0, one[1]
+
+    def where(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(index into fd_array, byte offset in that file)`` of each validated id's row (a
+        table that is one mapped array: a built table, or an attached one of one column)."""
+        seg = self._segments
+        if seg is None:
+            return locate(flat, self.geometry)
+        return seg.where(flat)
+
     def counters(self) -> dict[str, int]:
         """Calls and rows served so far (a copy): ``fetch_calls``, ``rows_fetched``,
         ``small_gathers`` (decode steps and `fetch_into`'s mapped fast path),
-        ``prefetched_gathers``."""
+        ``prefetched_gathers``, ``step_rows`` / ``step_device_bytes`` (rows a decoder's step
+        reader read ahead of its fills, and the bytes it asked of the device)."""
         out = dict(self._counters)
         f = self._fast_counts
         out["fetch_calls"] += f["calls"]

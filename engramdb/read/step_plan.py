@@ -1,0 +1,159 @@
+"""The step reader's per-step bookkeeping: the tables as it sees them, the plan of a step
+shape, and the tickets a decoder waits on (`engramdb.read.steps` reads; this module only
+describes). Kept apart so the reader's module stays a read path."""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+__all__ = [
+    "CANCELLED",
+    "DONE",
+    "FAILED",
+    "QUEUED",
+    "RUNNING",
+    "Layout",
+    "Plan",
+    "StepTable",
+    "StepTicket",
+    "grid_view",
+    "stride",
+]
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+
+
+class StepTable(Protocol):
+    """What the reader reads: a local table whose rows it can locate itself."""
+
+    name: str
+    row_bytes: int
+
+    def step_layout(self) -> tuple[list[int], int, int] | None: ...
+    def note_buffered_read(self) -> None: ...
+    def note_step_read(self, rows: int, device_bytes: int) -> None: ...
+
+
+class Collector(Protocol):
+    """What a ticket waits on (`engramdb.read.steps.StepReader`)."""
+
+    def collect(self, t: StepTicket) -> None: ...
+
+
+class StepTicket:
+    """One layer's rows of one step. `wait` collects them (reads the reader's completions,
+    waiting for reads in flight; raises a failed read's error); then ``rows[k]`` is row
+    ``ids[k]`` (request order: ``uids`` is None). `cancel` never withdraws (returns False):
+    the reads are in flight, and waiting for them beats reading the rows again."""
+
+    __slots__ = ("ids", "rows", "uids", "state", "error", "reader", "lo", "hi", "store")
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = ids
+        self.rows: np.ndarray | None = None
+        self.uids: np.ndarray | None = None
+        self.state = QUEUED
+        self.error: BaseException | None = None
+        self.reader: Collector | None = None
+        self.lo = self.hi = 0  # its requests in the reader's current step
+        self.store: StepTable | None = None
+
+    def done(self) -> bool:
+        return self.state not in (QUEUED, RUNNING)
+
+    def cancel(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Collect the rows (blocks for reads in flight); raise the read's error."""
+        reader = self.reader
+        if self.state == RUNNING and reader is not None:
+            reader.collect(self)
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def __repr__(self) -> str:
+        return f"<StepTicket {self.state} {self.ids.size} rows>"
+
+
+class Layout:
+    """One table as the reader sees it: ``O_DIRECT`` descriptors per file, rows per file
+    (0: one file), the byte offset of row 0, the row width and the files' alignment."""
+
+    __slots__ = ("fds", "dfds", "rows_per_file", "base", "row_bytes", "align")
+
+    def __init__(
+        self, fds: np.ndarray, dfds: np.ndarray, rows_per_file: int, base: int, rb: int, align: int
+    ):
+        self.fds, self.dfds, self.rows_per_file, self.base = fds, dfds, rows_per_file, base
+        self.row_bytes, self.align = rb, align
+
+
+def stride(rb: int, align: int) -> int:
+    """Staging bytes per request: the longest page-aligned span a row can need."""
+    return -(-(rb + align - 1) // align) * align
+
+
+class Plan:
+    """What does not change between steps of one shape: per request its staging slot
+    (``stride`` bytes each), descriptor and base offset (single-file tables)."""
+
+    def __init__(self, layouts: list[Layout], sizes: list[int], buf_addr: int):
+        self.layouts = layouts
+        self.sizes = sizes
+        self.n = n = sum(sizes)
+        self.rb = rb = layouts[0].row_bytes
+        self.align = a = max(lay.align for lay in layouts)
+        self.stride = stride(rb, a)
+        self.mask = np.int64(~(a - 1))
+        self.single_file = all(lay.rows_per_file == 0 for lay in layouts)
+        #: per request: the O_DIRECT descriptor the ring reads, the table's own (re-reads,
+        #: errors); set per step for tables of several files
+        self.fd = np.concatenate(
+            [np.full(k, lay.dfds[0], np.int32) for lay, k in zip(layouts, sizes)]
+        )
+        self.src_fd = np.concatenate(
+            [np.full(k, lay.fds[0], np.int32) for lay, k in zip(layouts, sizes)]
+        )
+        self.base = np.concatenate(
+            [np.full(k, lay.base, np.int64) for lay, k in zip(layouts, sizes)]
+        )
+        self.slot = np.arange(n, dtype=np.int64) * self.stride
+        self.addr = (self.slot + buf_addr).astype(np.uint64)
+        self.off = np.empty(n, np.int64)  # per step: each row's file offset
+        self.tmp = np.empty(n, np.int64)  # per step: each request's (aligned) start
+        self.span = np.empty(n, np.int64)  # per step: each request's length
+        self.ip = np.empty(n, np.int64)  # per step: the row's offset inside its request
+        self.idx = np.empty((n, rb // 1), np.int64)  # (resized below) the gather's index
+        # Rows are copied out of the staging buffer in units of ``unit`` bytes: it divides
+        # the row width, the alignment (slot starts) and every row's offset in its file.
+        unit = math.gcd(rb, 64, a)
+        for lay in layouts:
+            unit = math.gcd(unit, lay.base) if lay.base else unit
+        self.unit = unit
+        self.shift = unit.bit_length() - 1  # unit is a power of two
+        self.unit_ar = np.arange(rb // unit, dtype=np.int64)
+        self.slot_units = self.slot // unit
+        self.idx = np.empty((n, rb // unit), np.int64)
+        self.base_idx = self.slot_units[:, None] + self.unit_ar  # each row's units, at ip 0
+        self.units: np.ndarray | None = None  # the staging buffer as [*, unit] (set by the reader)
+        self.span_total = 0  # per step: the bytes asked of the device
+
+
+def grid_view(
+    out: np.ndarray, lead: tuple[int, ...], n_layers: int, n_heads: int, unit: int, layer: int
+) -> np.ndarray:
+    """A decoder's output ``out`` (``[*lead, L, H, rb]``, or ``[*lead, H, rb]`` for one
+    layer) as the reader's grid of rows in submission order (layers first) with ``[k, unit]``
+    per row: every layer (``layer`` -1: ``[L, *lead, H, k, unit]``) or one layer's slice."""
+    k = out.shape[-1] // unit
+    if n_layers == 1:
+        return out.reshape(lead + (n_heads, k, unit))
+    grid = out.reshape(lead + (n_layers, n_heads, k, unit))
+    if layer < 0:
+        return np.moveaxis(grid, len(lead), 0)
+    return grid[(slice(None),) * len(lead) + (layer,)]

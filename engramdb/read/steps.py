@@ -1,0 +1,582 @@
+"""`StepReader`: a decode step's cold rows read without the engine's thread waiting or paying.
+
+A `engramdb.decode.Decoder` hashes each step's new tokens as soon as they are sampled; the
+layers that read the tables come later in the step. For the layers whose rows are cold, the
+decoder hands the reader every layer's row ids at once (`StepReader.submit`, at ``push``).
+The reader writes one ``O_DIRECT`` read per row into its ``io_uring`` submission queue and
+returns: the process's polling kernel thread (`engramdb.io.sqpoll`) issues the reads on
+another core. At ``fill``, the layer's `StepTicket` reads the completions from the ring (no
+system call once they are in; ``io_uring_enter`` waits, the GIL released, for any still in
+flight) and copies the rows out of the reader's staging buffer.
+
+Why this path, as measured on these machines (2-core VM, a single-thread torch loop, a
+3.9 ms step, 32 cold rows a step needed a quarter into it):
+
+* A background Python thread costs the engine more than the reads: waking a thread that
+  sleeps on the other core took 27 us in the waker and 108 us until it ran, and each GIL
+  hand-off between the two threads costs such a wake, paid by the engine when it comes back
+  from a torch call (a background reader: 110-175 us a step in ``push``).
+* Submitting the reads with ``io_uring_enter`` from the engine's thread costs ~1-2 us a read
+  in the kernel (150 us a step: 0.954x the loop over RAM); through the polling thread the
+  engine pays only for filling the entries (1.000x; 256 reads in an 8.7 ms step: 0.992x
+  against 0.887x).
+* ``O_DIRECT`` lands the rows in the reader's staging buffer, touched once when allocated.
+  A page-cache read makes the kernel allocate fresh pages, and on a VM that returns free
+  memory to its host the first CPU touch of each costs a second-level fault (6-10 us a
+  page here). The device is asked for exactly the pages under the rows.
+
+The page cache still fills: a table that fits starts its background warm at its first step
+read (`LocalTable.note_buffered_read`), and the decoder's ``auto`` rule reads a resident
+table from its mapping.
+
+Per step the engine's thread runs a dozen numpy operations (offsets, the entries' ``off`` /
+``len`` fields, one copy into the ring); a plan per step shape (the tables and their row
+counts) holds everything that does not change between steps: each request's descriptor,
+staging slot and file base offset.
+
+One reader belongs to one decoder (or one module) and is used from one thread. A step
+submitted while the previous one's reads are still in flight first waits for those (their
+tickets end ``cancelled`` unless collected). A failed read raises `ReadError` naming the
+file and offset at the layer's ``fill``; a read past the end of a file (a source truncated
+under the reader) raises `TruncatedFile`; a short read of a row still inside the file is
+read again with ``pread``.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import mmap
+import os
+import stat
+import weakref
+
+import numpy as np
+
+from engramdb.errors import TruncatedFile
+from engramdb.io.base import read_error
+from engramdb.io.foreground import FOREGROUND
+from engramdb.io.mapping import prefault
+from engramdb.io.sqpoll import polled_ring, submit_pushed
+from engramdb.io.uring import IoUringBackend
+from engramdb.io.uring_ring import (
+    IORING_ENTER_GETEVENTS,
+    IORING_ENTER_SQ_WAKEUP,
+    Ring,
+    enter,
+    statx_dio_align,
+)
+from engramdb.layouts.geometry import PAGE
+from engramdb.read.step_plan import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    RUNNING,
+    Layout,
+    Plan,
+    StepTable,
+    StepTicket,
+    stride,
+)
+
+__all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
+
+# How long a step's reads keep the device busy, for the background warm's gap reading: a
+# random 4 KiB read's latency, plus one read at the device's random-read rate (measured here:
+# 88-95 k/s, ~0.2 ms latency with a few in flight).
+_LATENCY_S = 2e-4
+_PER_READ_S = 1.1e-5
+#: Rows one step may hand the reader (larger steps use the tables' prefetchers): the kernel's
+#: largest ring. The ring grows to the largest step read so far.
+MAX_STEP_ROWS = 32768
+
+
+class StepReader:
+    """See the module docstring. `available` says whether this process can use it at all;
+    `submit` returns False (nothing submitted) for a step it cannot read (a table assembled
+    from several tensors, tables of different row widths, a file system that refuses
+    ``O_DIRECT``, more than `MAX_STEP_ROWS` rows), which the caller reads another way."""
+
+    def __init__(self) -> None:
+        self._ring: Ring | None = None
+        self._ring_plan: Plan | None = None  # the plan whose fd / addr the stage holds
+        self._layouts: dict[int, tuple[StepTable, Layout | None]] = {}
+        self._plans: dict[tuple[tuple[int, int], ...], Plan] = {}
+        self._direct: list[int] = []  # O_DIRECT descriptors to close
+        self._buf: np.ndarray | None = None
+        self._map: mmap.mmap | None = None
+        self._plan: Plan | None = None  # the current step's
+        self._cols: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # ring position -> off, len
+        self._tickets: list[StepTicket] = []
+        self._got = np.zeros(0, np.int64)  # per request: bytes read, or -errno
+        self._checked = False  # the current step's reads reaped and checked
+        self._error: tuple[StepTicket | None, BaseException] | None = None
+        self._left = 0  # requests of the current step not reaped yet
+        self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
+        self.closed = False
+        self.steps = 0
+        self.requests = 0
+        self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
+        self._owned: list[object] = [None, None]  # the ring and the staging mapping
+        self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
+
+    @staticmethod
+    def available() -> bool:
+        return IoUringBackend.availability()[0]
+
+    # -- plans -------------------------------------------------------------------------------
+    def _layout(self, store: StepTable) -> Layout | None:
+        hit = self._layouts.get(id(store))
+        if hit is not None and hit[0] is store:
+            return hit[1]
+        lay = None
+        where = store.step_layout()
+        if where is not None:
+            fds, rows_per_file, base = where
+            dfds, align = [], 512
+            for fd in fds:
+                dfd, a = self._direct_fd(fd)
+                if dfd < 0:
+                    break
+                dfds.append(dfd)
+                align = max(align, a)
+            else:
+                lay = Layout(
+                    np.asarray(fds, np.int32),
+                    np.asarray(dfds, np.int32),
+                    rows_per_file,
+                    base,
+                    store.row_bytes,
+                    align,
+                )
+        self._layouts[id(store)] = (store, lay)
+        return lay
+
+    def _direct_fd(self, fd: int) -> tuple[int, int]:
+        """``(O_DIRECT descriptor, offset alignment)`` of the file behind ``fd``; ``(-1, 0)``
+        where its file system refuses ``O_DIRECT``."""
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return -1, 0
+        try:
+            dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno in (_errno.EINVAL, _errno.EOPNOTSUPP):
+                return -1, 0
+            raise read_error(e.errno or _errno.EIO, fd, 0, "cannot open O_DIRECT") from e
+        self._direct.append(dfd)
+        align = statx_dio_align(dfd)
+        if align > PAGE:  # never seen; the staging layout assumes at most a page
+            return -1, 0
+        return dfd, align
+
+    def _plan_for(self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]]) -> Plan | None:
+        key = tuple((id(store), int(ids.size)) for store, ids, _ in jobs)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        layouts = [self._layout(store) for store, _, _ in jobs]
+        if any(lay is None for lay in layouts):
+            return None
+        lays = [lay for lay in layouts if lay is not None]
+        if len({lay.row_bytes for lay in lays}) != 1:
+            return None
+        sizes = [int(ids.size) for _, ids, _ in jobs]
+        n = sum(sizes)
+        buf = self._buffer(n * stride(lays[0].row_bytes, max(lay.align for lay in lays)))
+        plan = Plan(lays, sizes, int(buf.ctypes.data))
+        if len(self._plans) >= 16:  # a few shapes repeat (steps, prefills): keep it bounded
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """The staging buffer, grown to ``nbytes`` (plans made for a smaller one are
+        dropped: their slot addresses point into it)."""
+        buf = self._buf
+        if buf is None or buf.size < nbytes:
+            size = -(-max(nbytes, 1 << 20) // PAGE) * PAGE
+            m = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = prefault(np.frombuffer(m, np.uint8))  # touched once: no fault per read
+            old = self._map
+            self._buf, self._map = buf, m  # between steps: no read targets the old one
+            self._owned[1] = m
+            self._plans.clear()
+            self._ring_plan = None
+            if old is not None:
+                try:
+                    old.close()
+                except BufferError:  # pragma: no cover - rows are copies; nothing views it
+                    pass
+        return buf
+
+    # -- submission --------------------------------------------------------------------------
+    def submit(self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]]) -> bool:
+        """Start the reads of one step: ``(table, ids, ticket)`` per layer, in the order the
+        engine needs them (validated int64 ids of any shape; a ticket's rows come back in
+        their order). False, with nothing submitted, for a step it cannot read."""
+        if self._left:
+            self.drain()
+        n = sum(int(ids.size) for _, ids, _ in jobs)
+        if self.closed or n == 0 or n > MAX_STEP_ROWS:
+            return n == 0 and not self.closed
+        plan = self._plan_for(jobs)
+        if plan is None:
+            return False
+        ring = self._ring
+        if ring is None or ring.entries < n:
+            if ring is not None:
+                ring.close()
+            ring = self._ring = polled_ring(max(256, 1 << (n - 1).bit_length()))
+            self._owned[0] = ring
+            self._ring_plan = None
+            self._cols.clear()
+        # each row's file offset, and its aligned span
+        ids = (
+            jobs[0][1].reshape(-1)
+            if len(jobs) == 1
+            else np.concatenate([j[1].reshape(-1) for j in jobs])
+        )
+        off, tmp, span, rb = plan.off, plan.tmp, plan.span, plan.rb
+        if plan.single_file:
+            np.multiply(ids, rb, out=off)
+            off += plan.base
+        else:
+            self._multi_file(plan, jobs, off)
+            self._ring_plan = None  # descriptors change per step
+        np.bitwise_and(off, plan.mask, out=tmp)
+        ip = plan.ip
+        np.subtract(off, tmp, out=ip)  # where the row starts in its span
+        np.add(ip, rb + plan.align - 1, out=span)
+        np.bitwise_and(span, plan.mask, out=span)
+        plan.span_total = int(span.sum())
+        # into the submission entries: straight into the ring's slots where they do not wrap
+        # (descriptor, address and tag written once per plan and position), else staged
+        tail = int(ring.sq_tail[0])
+        pos = tail & ring.sq_mask
+        if pos + n <= ring.entries:
+            cols = self._cols.get(pos) if self._ring_plan is plan else None
+            if cols is None:
+                if self._ring_plan is not plan:
+                    self._cols.clear()
+                    self._ring_plan = plan
+                st = ring.stage[:n]
+                st["fd"] = plan.fd
+                st["addr"] = plan.addr
+                st["user_data"] = np.arange(n, dtype=np.uint64)
+                ring.sqes[pos : pos + n] = st
+                words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
+                cols = self._cols[pos] = (words[:, 1], words[:, 3])
+            np.copyto(cols[0], tmp, casting="unsafe")  # off
+            np.copyto(cols[1], span, casting="unsafe")  # len (rw_flags, the high half, 0)
+            ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
+        else:
+            self._cols.clear()
+            self._ring_plan = None
+            st = ring.stage[:n]
+            st["fd"] = plan.fd
+            st["addr"] = plan.addr
+            st["user_data"] = np.arange(n, dtype=np.uint64)
+            st["off"] = tmp
+            st["len"] = span
+            ring.push(n)
+        if self._got.size < n:
+            self._got = np.empty(max(n, 256), np.int64)
+        self._checked = False
+        self._error = None
+        self._routed = False  # completions read one by one this step (no whole-step sum)
+        self._ready: set[int] = set()  # tickets (by lo) whose reads are checked, idx computed
+        self._plan = plan
+        self._left = n
+        lo = 0
+        for store, ids_i, t in jobs:
+            t.reader, t.store, t.lo, t.hi, t.state = self, store, lo, lo + ids_i.size, RUNNING
+            lo = t.hi
+            if id(store) not in self._warmed:
+                self._warmed.add(id(store))
+                store.note_buffered_read()  # a table that fits starts its background warm
+        self._tickets = [j[2] for j in jobs]
+        self._counts = [0] * len(jobs)
+        r = submit_pushed(ring, n)
+        # the background warm reads around these reads: about their device time
+        FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
+        if r < 0:
+            err = read_error(-r, int(plan.src_fd[0]), int(off[0]), "io_uring_enter failed")
+            self._left = 0
+            for t in self._tickets:
+                t.error, t.state = err, FAILED
+            self._tickets = []
+            self._ring = None  # a fresh ring next time
+            self._owned[0] = None
+            ring.close()
+            return True
+        self.steps += 1
+        self.requests += n
+        return True
+
+    @staticmethod
+    def _multi_file(
+        plan: Plan, jobs: list[tuple[StepTable, np.ndarray, StepTicket]], off: np.ndarray
+    ) -> None:
+        """File offsets and descriptors of a step over tables of several files (shards)."""
+        lo = 0
+        for lay, (_, ids, _) in zip(plan.layouts, jobs):
+            hi = lo + ids.size
+            flat = ids.reshape(-1)
+            if lay.rows_per_file:
+                f, local = np.divmod(flat, lay.rows_per_file)
+                np.multiply(local, lay.row_bytes, out=off[lo:hi])
+                plan.fd[lo:hi] = lay.dfds[f]
+                plan.src_fd[lo:hi] = lay.fds[f]
+            else:
+                np.multiply(flat, lay.row_bytes, out=off[lo:hi])
+                off[lo:hi] += lay.base
+            lo = hi
+
+    # -- completion --------------------------------------------------------------------------
+    def _reap_step(self) -> bool:
+        """Every completion of the step in flight, waited for; True when each read returned
+        its whole span (their sum is the step's: no read returns more than asked), without
+        looking at them one by one. False: the slow path (`_reap`, per request) follows."""
+        ring = self._ring
+        plan = self._plan
+        assert ring is not None and plan is not None
+        head = int(ring.cq_head[0])
+        count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
+        if count < self._left:
+            flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
+            enter(ring.fd, 0, self._left - count, flags)  # the GIL released meanwhile
+            count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
+        start = head & ring.cq_mask
+        if count != self._left or start + count > ring.cq_entries:
+            return False
+        if int(ring.cqes["res"][start : start + count].sum()) != plan.span_total:
+            return False
+        got = self._got[: plan.n]
+        np.copyto(got, plan.span)
+        ring.cq_head[0] = (head + count) & 0xFFFFFFFF
+        self._left = 0
+        return True
+
+    def _reap(self, wait: bool) -> None:
+        ring = self._ring
+        assert ring is not None
+        got = ring.reap()
+        if got.size == 0 and wait:
+            # the GIL released meanwhile; a polling thread gone to sleep is woken
+            flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
+            r = enter(ring.fd, 0, 1, flags)
+            if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
+                plan = self._plan
+                fd = int(plan.src_fd[0]) if plan is not None else -1
+                raise read_error(-r, fd, 0, "io_uring_enter failed")
+            got = ring.reap()
+        if got.size:
+            self._got[got["user_data"].astype(np.int64)] = got["res"]
+            self._left -= int(got.size)
+            self._routed = True
+            if len(self._tickets) > 1:  # completions per ticket
+                his = [t.hi for t in self._tickets]
+                per = np.bincount(
+                    np.searchsorted(his, got["user_data"].astype(np.int64), side="right"),
+                    minlength=len(his),
+                )
+                for k, c in enumerate(per.tolist()[: len(his)]):
+                    self._counts[k] += c
+
+    def collect(self, t: StepTicket) -> None:
+        """Wait for ``t``'s reads, check them and hand it its rows (`StepTicket.wait`). The
+        first collect of a step waits for every read of the step (issued together, they
+        land together) and checks them all; each ticket then copies its rows out."""
+        if t.state != RUNNING:
+            return
+        plan = self._checked_plan(t)
+        if plan is None:
+            assert self._error is not None
+            t.error, t.state = self._error[1], FAILED
+            return
+        units = self._units(plan)
+        t.rows = units.take(plan.idx[t.lo : t.hi], 0).reshape(t.hi - t.lo, plan.rb)
+        t.state = DONE
+
+    @property
+    def step_unit(self) -> int:
+        """The copy unit of the step in flight (`finish_into` destinations end in it)."""
+        plan = self._plan
+        return plan.unit if plan is not None else 1
+
+    def finish_into(self, dest: np.ndarray, t: StepTicket | None = None) -> bool:
+        """Wait for the step in flight and copy rows straight into ``dest``: ticket ``t``'s,
+        or (None) every row of the step. ``dest``: uint8, shape ``grid + (row_bytes //
+        step_unit, step_unit)`` for a ``grid`` of those rows in submission order (e.g. the
+        ticket's ids' shape, or ``[L, B, H]`` for a step of L layers); may be a strided view
+        of the engine's buffer. Raises the step's error. False (nothing written) when the
+        rows were already collected."""
+        tickets = self._tickets if t is None else [t]
+        if not tickets or any(tk.state != RUNNING for tk in tickets):
+            return False
+        plan = self._checked_plan(t)
+        if plan is None:
+            assert self._error is not None
+            for tk in tickets:
+                tk.error, tk.state = self._error[1], FAILED
+            raise self._error[1]
+        idx = plan.idx if t is None else plan.idx[t.lo : t.hi]
+        self._units(plan).take(idx.reshape(dest.shape[:-1]), 0, out=dest, mode="clip")
+        for tk in tickets:
+            tk.state = DONE  # their rows went to the engine's buffer
+        return True
+
+    def _checked_plan(self, t: StepTicket | None = None) -> Plan | None:
+        """The step's plan once the reads of ticket ``t`` (None: the whole step) are reaped
+        and checked, with ``idx`` (each row's units in the staging buffer) computed for
+        them; None (``_error`` set) when a read failed. A ticket other than the step's last
+        waits only for its own reads where the others are still in flight (a large step:
+        the lower layer's rows come first)."""
+        plan = self._plan
+        assert plan is not None
+        if self._checked:
+            return None if self._error is not None else plan
+        tickets = self._tickets
+        if t is not None and t is not tickets[-1] and t.lo not in self._ready:
+            head = int(self._ring.cq_head[0])  # type: ignore[union-attr]
+            if (int(self._ring.cq_tail[0]) - head) & 0xFFFFFFFF < self._left:  # type: ignore[union-attr]
+                k = tickets.index(t)
+                while self._counts[k] < t.hi - t.lo:
+                    self._reap(wait=True)
+                lo, hi = t.lo, t.hi
+                got, span = self._got[lo:hi], plan.span[lo:hi]
+                if not np.array_equal(got, span):
+                    err = self._reread(t.store, plan, np.flatnonzero(got != span) + lo)  # type: ignore[arg-type]
+                    if err is not None:
+                        self._error = (t, err)
+                        return None
+                self._index(plan, lo, hi)
+                self._ready.add(lo)
+                return plan
+        if t is not None and t.lo in self._ready:
+            return plan
+        self._checked = True
+        if self._complete():
+            for tk in tickets:
+                if tk.lo not in self._ready:
+                    self._index(plan, tk.lo, tk.hi)
+        return None if self._error is not None else plan
+
+    @staticmethod
+    def _index(plan: Plan, lo: int, hi: int) -> None:
+        """Each row's units in the staging buffer, for rows ``lo:hi``."""
+        np.add(plan.base_idx[lo:hi], (plan.ip[lo:hi] >> plan.shift)[:, None], out=plan.idx[lo:hi])
+
+    def _units(self, plan: Plan) -> np.ndarray:
+        units = plan.units
+        if units is None:
+            buf = self._buf
+            assert buf is not None
+            units = plan.units = buf[: buf.size // plan.unit * plan.unit].reshape(-1, plan.unit)
+        return units
+
+    def _complete(self) -> bool:
+        """Reap every completion of the step and check the reads; False (``_error`` set)
+        when one failed for good."""
+        fast = self._left > 0 and not self._routed and self._reap_step()
+        while self._left > 0:
+            self._reap(wait=True)
+        plan = self._plan
+        assert plan is not None
+        n = plan.n
+        got, span = self._got[:n], plan.span
+        self._error = None
+        tickets = self._tickets
+        if len(tickets) == 1:
+            tickets[0].store.note_step_read(n, plan.span_total)  # type: ignore[union-attr]
+        else:
+            for t in tickets:
+                if t.store is not None:
+                    t.store.note_step_read(t.hi - t.lo, int(span[t.lo : t.hi].sum()))
+        if not fast and int(got.sum()) != plan.span_total:  # a short, failed or cut read
+            bad = np.flatnonzero(got != span)
+            owner = self._owner_of(int(bad[0]))
+            err = self._reread(owner.store, plan, bad)  # type: ignore[arg-type]
+            if err is not None:
+                self._error = (None, err)
+                return False
+        return True
+
+    def _owner_of(self, i: int) -> StepTicket:
+        for tk in self._tickets:
+            if tk.lo <= i < tk.hi:
+                return tk
+        raise AssertionError(i)  # pragma: no cover - every request belongs to a ticket
+
+    def _reread(self, store: StepTable, plan: Plan, bad: np.ndarray) -> BaseException | None:
+        """Rows whose read came back short or interrupted, read again with ``pread`` into
+        their place (a loop over those rows only: never expected of a healthy file); the
+        error to raise when that fails: `TruncatedFile` where the file now ends before the
+        row, a `ReadError` naming the file and offset otherwise."""
+        buf = self._buf
+        assert buf is not None
+        rb = plan.rb
+        for i in bad.tolist():
+            fd, off, res = int(plan.src_fd[i]), int(plan.off[i]), int(self._got[i])
+            if res >= off + rb - int(plan.tmp[i]):
+                continue  # the span met the end of the file after the row: the row is whole
+            if res < 0 and -res not in (_errno.EAGAIN, _errno.EINTR):
+                return read_error(-res, fd, off)
+            try:
+                data = os.pread(fd, rb, off)
+            except OSError as e:
+                return read_error(e.errno or _errno.EIO, fd, off)
+            if len(data) < rb:
+                return TruncatedFile(
+                    f"table {store.name!r}: a row of {rb} B at offset {off} of {_path(fd)} "
+                    "lies past the end of the file (it is shorter than when opened)"
+                )
+            p = int(plan.slot[i] + (off - int(plan.tmp[i])))
+            buf[p : p + rb] = np.frombuffer(data, np.uint8)
+            self.retried += 1
+        return None
+
+    def drain(self) -> None:
+        """Wait for every read of the current step (tickets not collected end cancelled)."""
+        while self._left > 0 and self._ring is not None:
+            self._reap(wait=True)
+        for t in self._tickets:
+            if t.state == RUNNING:
+                t.state = CANCELLED
+        self._tickets = []
+
+    def close(self) -> None:
+        """Wait for reads in flight, then release the ring, the staging buffer and the
+        ``O_DIRECT`` descriptors (idempotent)."""
+        self.closed = True
+        try:
+            self.drain()
+        finally:
+            self._finalizer()
+            self._ring = None
+            self._buf = None
+            self._map = None
+            self._plans.clear()
+
+
+def _path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+
+
+def _release(direct: list[int], owned: list[object]) -> None:
+    ring, m = owned[0], owned[1]
+    if isinstance(ring, Ring):
+        ring.close()  # the kernel finishes or cancels what is in flight; pinned pages stay
+    if isinstance(m, mmap.mmap):
+        try:
+            m.close()
+        except BufferError:
+            pass
+    for dfd in direct:
+        try:
+            os.close(dfd)
+        except OSError:
+            pass
+    direct.clear()

@@ -1,0 +1,250 @@
+"""The decode step reader (`engramdb.read.steps`), its polling ring (`engramdb.io.sqpoll`) and
+the vectored read-ahead advice (`engramdb.io.advise`): rows equal the source bytes on every
+table layout, errors are typed, and each refusal falls back to a path that still reads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engramdb
+from engramdb.decode import Decoder
+from engramdb.errors import TruncatedFile
+from engramdb.io.advise import willneed_rows
+from engramdb.io.foreground import Foreground
+from engramdb.io.mapping import map_file_aligned, range_pages, unmap_range
+from engramdb.read.step_plan import StepTicket
+from engramdb.read.steps import StepReader
+from engramdb.testing.pages import evict
+
+pytestmark = pytest.mark.skipif(not StepReader.available(), reason="io_uring is not available")
+
+
+def _read(reader: StepReader, jobs: list[tuple[object, np.ndarray]]) -> list[np.ndarray]:
+    tickets = [StepTicket(ids) for _, ids in jobs]
+    assert reader.submit([(st, ids, t) for (st, ids), t in zip(jobs, tickets)])
+    out = []
+    for t in tickets:
+        t.wait()
+        assert t.rows is not None
+        out.append(t.rows)
+    return out
+
+
+def _rpb(row_bytes: int) -> int:
+    """The fewest rows per badge that tile whole 4 KiB pages (small badges, small shards)."""
+    return 4096 // math.gcd(row_bytes, 4096)
+
+
+def _edges(n: int, rng: np.random.Generator, k: int = 40) -> np.ndarray:
+    return np.concatenate([[0, 1, n - 2, n - 1], rng.integers(0, n, k)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("row_bytes", [160, 264, 320, 2560, 5000])
+def test_rows_of_a_built_table_of_many_shards(
+    tmp_path: Path, rng: np.random.Generator, row_bytes: int
+) -> None:
+    full = rng.integers(0, 256, (max(3000, 3 * _rpb(row_bytes)), row_bytes), dtype=np.uint8)
+    # small shards: a step's rows come from several files
+    rpb = _rpb(row_bytes)
+    engramdb.build(
+        tmp_path, "t", row_bytes, [full], rows_per_badge=rpb, shard_bytes=rpb * row_bytes * 2
+    )
+    with engramdb.open(tmp_path) as db:
+        st = db["t"]
+        assert len(st.step_layout()[0]) > 1  # type: ignore[index]
+        evict(tmp_path / st.info.shards[0].path)
+        reader = StepReader()
+        for _ in range(3):  # the plan and ring are reused from step to step
+            ids = _edges(st.n_rows, rng)
+            (rows,) = _read(reader, [(st, ids)])
+            assert np.array_equal(rows, full[ids])
+        assert st.counters()["step_rows"] == 3 * ids.size
+        reader.close()
+
+
+def _safetensors(path: Path, arr: np.ndarray, pad: int) -> None:
+    """One F32 tensor whose data starts ``8 + header`` bytes in, the header padded to make
+    that offset odd-sized (rows then start off any page or cache-line boundary)."""
+    doc = {"w": {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [0, arr.nbytes]}}
+    raw = json.dumps(doc).encode()
+    raw += b" " * (-len(raw) % 8 + pad)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + arr.tobytes())
+
+
+def test_rows_of_an_attached_tensor_at_an_unaligned_offset(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    arr = rng.standard_normal((5000, 80)).astype(np.float32)  # 320 B rows
+    src = tmp_path / "model.safetensors"
+    _safetensors(src, arr, pad=8 * 37)
+    engramdb.attach(tmp_path / "db", "t", [src])
+    raw = arr.view(np.uint8).reshape(5000, 320)
+    with engramdb.open(tmp_path / "db") as db:
+        st = db["t"]
+        evict(src)
+        reader = StepReader()
+        a, b = _edges(st.n_rows, rng), _edges(st.n_rows, rng)
+        ra, rb = _read(reader, [(st, a), (st, b)])  # two jobs of one step
+        assert np.array_equal(ra, raw[a]) and np.array_equal(rb, raw[b])
+        reader.close()
+
+
+def test_finish_into_writes_a_strided_destination_per_ticket(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 160, [full], rows_per_badge=128)
+    with engramdb.open(tmp_path) as db:
+        st = db["t"]
+        reader = StepReader()
+        a = rng.integers(0, 4000, (3, 8)).astype(np.int64)  # [B, H]
+        b = rng.integers(0, 4000, (3, 8)).astype(np.int64)
+        ta, tb = StepTicket(a), StepTicket(b)
+        assert reader.submit([(st, a, ta), (st, b, tb)])
+        out = np.zeros((3, 2, 8, 160), np.uint8)  # [B, L, H, rb]: each layer's slice strided
+        unit = reader.step_unit
+        for i, t in ((1, tb), (0, ta)):  # any order
+            dest = out[:, i].reshape(3, 8, 160 // unit, unit)
+            assert reader.finish_into(dest, t)
+            assert not reader.finish_into(dest, t)  # collected: nothing more
+        assert np.array_equal(out[:, 0], full[a]) and np.array_equal(out[:, 1], full[b])
+        reader.close()
+
+
+def test_a_source_truncated_under_the_reader_raises_truncated_file(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    raw = rng.integers(0, 256, (20_000, 160), dtype=np.uint8)
+    src = tmp_path / "rows.bin"
+    raw.tofile(src)
+    engramdb.attach(tmp_path / "db", "t", [src], row_bytes=160)
+    with engramdb.open(tmp_path / "db") as db:
+        st = db["t"]
+        reader = StepReader()
+        ids = np.array([5, 19_990], np.int64)
+        (rows,) = _read(reader, [(st, ids)])
+        assert np.array_equal(rows, raw[ids])
+        os.truncate(src, 10_000 * 160)  # rows past 10,000 are gone
+        t = StepTicket(ids)
+        assert reader.submit([(st, ids, t)])
+        with pytest.raises(TruncatedFile, match="rows.bin"):
+            t.wait()
+        reader.close()
+
+
+def test_a_file_system_without_o_direct_falls_back_to_the_prefetcher(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``open(O_DIRECT)`` fails with EINVAL (older tmpfs, some FUSE file systems) the
+    reader refuses the step and the decoder's table prefetcher reads it."""
+    from engramdb import keygen
+    from engramdb.read import steps
+
+    real_open = os.open
+
+    def no_direct(path: str, flags: int, *a: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(steps.os, "open", no_direct)
+    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+    lay = int(h.layers[0])
+    big = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "p", 160, [big], rows_per_badge=128)
+    with engramdb.open(tmp_path) as db:
+        t = StepTicket(np.array([1], np.int64))
+        assert not StepReader().submit([(db["p"], t.ids, t)])
+        dec = Decoder(db["p"], h, layer=lay, prefetch=True)
+        out = np.empty(dec.out_shape, np.uint8)
+        for tok in rng.integers(0, 1000, 20).tolist():
+            rows = dec.push(tok)
+            dec.fill(out)
+            assert np.array_equal(out, big[rows[0]])
+        st = db["p"].stats()
+        assert st["step_rows"] == 0 and st["prefetch"]["submitted"] == 20
+
+
+def test_the_decoder_reads_cold_steps_through_the_step_reader(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    from engramdb import keygen
+
+    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000, ple_layer_ids=[2, 5])
+    lays = [2, 5]
+    fulls = {}
+    for lay in lays:
+        fulls[lay] = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
+        engramdb.build(tmp_path, f"l{lay}", 160, [fulls[lay]], rows_per_badge=128)
+    toks = rng.integers(0, 1000, (4, 24))
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        for lay in lays:
+            evict(tmp_path / db[f"l{lay}"].info.shards[0].path)
+        dec = Decoder({lay: db[f"l{lay}"] for lay in lays}, h, batch=4, prefetch=True)
+        out = np.empty(dec.out_shape, np.uint8)
+        for k in range(toks.shape[1]):
+            rows = dec.push(toks[:, k])
+            for i, lay in enumerate(reversed(lays)):  # a layer at a time, either order
+                dec.fill(out, layer=lay)
+                j = len(lays) - 1 - i
+                assert np.array_equal(out[:, j], fulls[lay][rows[j]])
+        assert all(db[f"l{lay}"].counters()["step_rows"] == 4 * 24 * dec.n_heads for lay in lays)
+
+
+def test_polling_can_be_turned_off() -> None:
+    code = (
+        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
+        "on, why = sqpoll_state(); r = polled_ring(8)\n"
+        "print(on, r.sqpoll, why)\n"
+    )
+    env = dict(os.environ, ENGRAMDB_SQPOLL="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split()[:2] == ["False", "False"], out.stderr
+    assert "ENGRAMDB_SQPOLL=0" in out.stdout
+
+
+def test_willneed_rows_starts_the_reads_of_exactly_those_pages(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    path = tmp_path / "t.bin"
+    rng.integers(0, 256, 16 << 20, dtype=np.uint8).tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        evict(fd)
+        addr = map_file_aligned(fd, 16 << 20)
+        try:
+            # 320 B rows: pages 0, 1000 + 1001 (the row crosses a page), 3125, 3906
+            ids = np.array([0, 12_812, 40_000, 50_000], np.int64)
+            advised = willneed_rows(addr, ids, 320)
+            assert advised == 5 * 4096
+            deadline = time.monotonic() + 5
+            while range_pages(addr, 16 << 20)[0] < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert range_pages(addr, 16 << 20)[0] == 5  # those pages and no read-ahead
+        finally:
+            unmap_range(addr, 16 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_a_noted_batch_holds_the_gap_until_its_estimated_end() -> None:
+    now = [10.0]
+    fg = Foreground(clock=lambda: now[0])
+    for _ in range(4):  # a periodic loop: a batch every 4 ms, each ~1 ms of device time
+        fg.note(0.001)
+        now[0] += 0.004
+    assert fg.yielding() and 0.0035 < fg.period < 0.0045
+    fg.note(0.001)
+    assert not fg.wait_gap(0.0001, timeout=0.0)  # in flight until its estimated end
+    now[0] += 0.0012
+    assert fg.wait_gap(0.0001, timeout=0.0)  # done, and the next batch is 2.8 ms away
