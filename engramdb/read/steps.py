@@ -258,11 +258,7 @@ class StepReader:
                 if self._ring_plan is not plan:
                     self._cols.clear()
                     self._ring_plan = plan
-                st = ring.stage[:n]
-                st["fd"] = plan.fd
-                st["addr"] = plan.addr
-                st["user_data"] = np.arange(n, dtype=np.uint64)
-                ring.sqes[pos : pos + n] = st
+                ring.sqes[pos : pos + n] = _staged(ring, plan)
                 words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
                 cols = self._cols[pos] = (words[:, 1], words[:, 3])
             np.copyto(cols[0], tmp, casting="unsafe")  # off
@@ -271,10 +267,7 @@ class StepReader:
         else:
             self._cols.clear()
             self._ring_plan = None
-            st = ring.stage[:n]
-            st["fd"] = plan.fd
-            st["addr"] = plan.addr
-            st["user_data"] = np.arange(n, dtype=np.uint64)
+            st = _staged(ring, plan)
             st["off"] = tmp
             st["len"] = span
             ring.push(n)
@@ -556,6 +549,16 @@ class StepReader:
             self._buf = None
             self._map = None
             self._plans.clear()
+
+
+def _staged(ring: Ring, plan: Plan) -> np.ndarray:
+    """The ring's staging entries for a step of ``plan``: descriptor, address and tag (the
+    request's index) of each request filled in."""
+    st = ring.stage[: plan.n]
+    st["fd"] = plan.fd
+    st["addr"] = plan.addr
+    st["user_data"] = np.arange(plan.n, dtype=np.uint64)
+    return st
 
 
 def _path(fd: int) -> str:
