@@ -14,7 +14,8 @@ loop's thread cost 150 us a step (0.954x the loop over RAM); through the polling
 
 The price is a core: the thread spins while submissions keep coming (a decode loop) and for
 `IDLE_MS` after. ``ENGRAMDB_SQPOLL=0`` turns it off (readers then submit with
-``io_uring_enter`` from their own thread), as does a kernel or sandbox that refuses it.
+``io_uring_enter`` from their own thread), as do a process allowed on one CPU only and a
+kernel or sandbox that refuses it.
 Only on x86-64, whose ordering of plain stores the kernel thread relies on here (Python has
 no release store; other architectures submit with ``io_uring_enter``).
 """
@@ -56,6 +57,8 @@ def _anchor_ring() -> Ring | None:
                 _anchor["why"] = f"turned off by {SQPOLL_ENV}=0"
             elif platform.machine().lower() not in ("x86_64", "amd64"):
                 _anchor["why"] = f"not on {platform.machine()} (x86-64 only)"
+            elif len(os.sched_getaffinity(0)) < 2:
+                _anchor["why"] = "one CPU: a polling thread would take it from the engine"
             else:
                 cpus = sorted(os.sched_getaffinity(0))
                 try:  # the last CPU this process may use: off the engine's, where possible
