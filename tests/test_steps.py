@@ -248,3 +248,36 @@ def test_a_noted_batch_holds_the_gap_until_its_estimated_end() -> None:
     assert not fg.wait_gap(0.0001, timeout=0.0)  # in flight until its estimated end
     now[0] += 0.0012
     assert fg.wait_gap(0.0001, timeout=0.0)  # done, and the next batch is 2.8 ms away
+
+
+def test_without_io_uring_the_decoder_uses_the_table_prefetcher(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engramdb import keygen
+
+    monkeypatch.setenv("ENGRAMDB_DISABLE_IO_URING", "1")
+    assert not StepReader.available()
+    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+    lay = int(h.layers[0])
+    big = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "p", 160, [big], rows_per_badge=128)
+    with engramdb.open(tmp_path, backend="preadv") as db:
+        dec = Decoder(db["p"], h, layer=lay, prefetch=True)
+        out = np.empty(dec.out_shape, np.uint8)
+        for tok in rng.integers(0, 1000, 10).tolist():
+            rows = dec.push(tok)
+            dec.fill(out)
+            assert np.array_equal(out, big[rows[0]])
+        assert db["p"].stats()["step_rows"] == 0
+
+
+def test_a_process_on_one_cpu_gets_no_polling_thread() -> None:
+    code = (
+        "import os\n"
+        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
+        "on, why = sqpoll_state(); print(on, polled_ring(8).sqpoll, '|', why)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split()[:2] == ["False", "False"], out.stderr
+    assert "one CPU" in out.stdout
