@@ -524,7 +524,7 @@ class Decoder:
             self.filled_rows[i], self.filled_out[i] = r, out
             t = self._tickets[i]
             self._tickets[i] = None
-            # the rows the prefetch read (kept on the ticket); a lane ticket whose ids are not
+            # the rows the prefetch read (kept on the ticket); a step ticket whose ids are not
             # this step's (never expected) falls through to a read from the mapping
             if t is not None and take_kept(t, r, shaped[i]):
                 self.kept_fills += 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,13 +143,23 @@ def test_a_source_truncated_under_the_reader_raises_truncated_file(
         reader.close()
 
 
+def _one_layer_table(tmp_path: Path, rng: np.random.Generator) -> tuple[Any, int, np.ndarray]:
+    """Table ``p`` of random rows for a small Qwen PLE hasher's first layer."""
+    from engramdb import keygen
+
+    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+    lay = int(h.layers[0])
+    big = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "p", 160, [big], rows_per_badge=128)
+    return h, lay, big
+
+
 def test_a_file_system_without_o_direct_falls_back_to_the_prefetcher(
     tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where ``open(O_DIRECT)`` fails with EINVAL (older tmpfs, some FUSE file systems) the
     reader refuses the step and the decoder's table prefetcher reads it."""
-    from engramdb import keygen
-    from engramdb.read import steps
+    from engramdb.io import uring_ring
 
     real_open = os.open
 
@@ -157,11 +168,8 @@ def test_a_file_system_without_o_direct_falls_back_to_the_prefetcher(
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(steps.os, "open", no_direct)
-    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
-    lay = int(h.layers[0])
-    big = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
-    engramdb.build(tmp_path, "p", 160, [big], rows_per_badge=128)
+    monkeypatch.setattr(uring_ring.os, "open", no_direct)
+    h, lay, big = _one_layer_table(tmp_path, rng)
     with engramdb.open(tmp_path) as db:
         t = StepTicket(np.array([1], np.int64))
         assert not StepReader().submit([(db["p"], t.ids, t)])
@@ -253,14 +261,10 @@ def test_a_noted_batch_holds_the_gap_until_its_estimated_end() -> None:
 def test_without_io_uring_the_decoder_uses_the_table_prefetcher(
     tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engramdb import keygen
 
     monkeypatch.setenv("ENGRAMDB_DISABLE_IO_URING", "1")
     assert not StepReader.available()
-    h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
-    lay = int(h.layers[0])
-    big = rng.integers(0, 256, (int(h.table_rows(lay)), 160), dtype=np.uint8)
-    engramdb.build(tmp_path, "p", 160, [big], rows_per_badge=128)
+    h, lay, big = _one_layer_table(tmp_path, rng)
     with engramdb.open(tmp_path, backend="preadv") as db:
         dec = Decoder(db["p"], h, layer=lay, prefetch=True)
         out = np.empty(dec.out_shape, np.uint8)

@@ -62,16 +62,8 @@ class Foreground:
     def enter(self) -> None:
         """A foreground batch starts its device reads."""
         with self._cond:
-            now = self._clock()
             if self.inflight == 0:
-                gap = now - self.last_start
-                if 0.0 < gap < _MAX_PERIOD_S:
-                    self.period = (
-                        gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
-                    )
-                elif gap >= _MAX_PERIOD_S:
-                    self.period = 0.0  # a pause: the rhythm is learnt again
-                self.last_start = now
+                self._started(self._clock())
             self.inflight += 1
             self.batches += 1
 
@@ -85,6 +77,15 @@ class Foreground:
                     self.busy += _EWMA * (frac - self.busy)
                 self._cond.notify_all()
 
+    def _started(self, now: float) -> None:
+        """A batch starts with none in flight (the lock held): learn the interval."""
+        gap = now - self.last_start
+        if 0.0 < gap < _MAX_PERIOD_S:
+            self.period = gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
+        elif gap >= _MAX_PERIOD_S:
+            self.period = 0.0  # a pause: the rhythm is learnt again
+        self.last_start = now
+
     def note(self, duration: float) -> None:
         """A batch whose reads were handed to the kernel and are expected to take about
         ``duration`` seconds (`engramdb.read.steps.StepReader`: nobody waits on them until
@@ -93,14 +94,7 @@ class Foreground:
         with self._cond:
             now = self._clock()
             if self.inflight == 0 and now >= self.busy_until:
-                gap = now - self.last_start
-                if 0.0 < gap < _MAX_PERIOD_S:
-                    self.period = (
-                        gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
-                    )
-                elif gap >= _MAX_PERIOD_S:
-                    self.period = 0.0
-                self.last_start = now
+                self._started(now)
                 if self.period > 0.0:
                     self.busy += _EWMA * (min(1.0, duration / self.period) - self.busy)
             self.busy_until = max(self.busy_until, now + duration)

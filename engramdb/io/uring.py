@@ -54,8 +54,8 @@ from engramdb.io.uring_ring import (
     Work,
     classify,
     enter,
+    open_direct,
     probe,
-    statx_dio_align,
 )
 
 __all__ = ["DISABLE_ENV", "IoUringBackend"]
@@ -337,13 +337,10 @@ class IoUringBackend(Backend):
             if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
                 return -1, 1  # pipes, directories...: the buffered path reports the error
             try:
-                dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-                align = statx_dio_align(dfd)
+                dfd, align = open_direct(fd)
             except OSError as e:
-                if e.errno != _errno.EINVAL:
-                    what = f"cannot open O_DIRECT: {e.strerror}"
-                    raise read_error(e.errno or _errno.EIO, fd, 0, what) from e
-                dfd, align = -1, 1
+                what = f"cannot open O_DIRECT: {e.strerror}"
+                raise read_error(e.errno or _errno.EIO, fd, 0, what) from e
             if hit is not None and hit[2] >= 0:
                 os.close(hit[2])
             self._direct_fds[fd] = (st.st_dev, st.st_ino, dfd, align)

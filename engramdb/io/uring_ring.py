@@ -340,6 +340,20 @@ def classify(res: np.ndarray, done_before: np.ndarray, need: np.ndarray) -> np.n
     return out
 
 
+def open_direct(fd: int) -> tuple[int, int]:
+    """``(a new O_DIRECT descriptor of the file behind fd, its offset alignment)``, reopened
+    through ``/proc/self/fd``; ``(-1, 1)`` where the file system refuses ``O_DIRECT``
+    (``EINVAL`` / ``EOPNOTSUPP``: tmpfs before 6.6, some FUSE). Other errors raise `OSError`.
+    The caller owns (closes) the descriptor."""
+    try:
+        dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (_errno.EINVAL, _errno.EOPNOTSUPP):
+            return -1, 1
+        raise
+    return dfd, statx_dio_align(dfd)
+
+
 def statx_dio_align(fd: int) -> int:
     """Offset alignment O_DIRECT needs on ``fd`` (``STATX_DIOALIGN``); 4096 if unknown."""
     buf = ctypes.create_string_buffer(256)

@@ -41,6 +41,7 @@ from engramdb.io.foreground import FOREGROUND
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
 from engramdb.read.plan import GeometryLike, ReadPlan, assemble
+from engramdb.read.step_plan import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 from engramdb.stats import Stats
 from engramdb.validate import as_rowids, check_bounds
 
@@ -72,7 +73,6 @@ class RowSource(Protocol):
     def note_buffered_read(self) -> None: ...
 
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 #: Kept-rows tickets up to this many rows are read by advice + gather (a decode step's).
 ADVISE_ROWS = 4096
 _SMALL_PRODUCT = 1 << 16  # below this, a broadcast compare beats np.isin's sort
@@ -138,7 +138,7 @@ class Ticket:
 
 class KeptRows(Protocol):
     """A finished read that kept its rows: a ``keep_rows`` `Ticket` (``uids`` sorted unique,
-    ``rows[k]`` is row ``uids[k]``) or a decode lane's ticket (``uids`` None, ``rows`` in the
+    ``rows[k]`` is row ``uids[k]``) or a step reader's `StepTicket` (``uids`` None, ``rows`` in the
     order of its ``ids``)."""
 
     ids: np.ndarray

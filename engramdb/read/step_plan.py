@@ -104,7 +104,6 @@ class Plan:
 
     def __init__(self, layouts: list[Layout], sizes: list[int], buf_addr: int):
         self.layouts = layouts
-        self.sizes = sizes
         self.n = n = sum(sizes)
         self.rb = rb = layouts[0].row_bytes
         self.align = a = max(lay.align for lay in layouts)
@@ -128,7 +127,6 @@ class Plan:
         self.tmp = np.empty(n, np.int64)  # per step: each request's (aligned) start
         self.span = np.empty(n, np.int64)  # per step: each request's length
         self.ip = np.empty(n, np.int64)  # per step: the row's offset inside its request
-        self.idx = np.empty((n, rb // 1), np.int64)  # (resized below) the gather's index
         # Rows are copied out of the staging buffer in units of ``unit`` bytes: it divides
         # the row width, the alignment (slot starts) and every row's offset in its file.
         unit = math.gcd(rb, 64, a)
@@ -138,7 +136,7 @@ class Plan:
         self.shift = unit.bit_length() - 1  # unit is a power of two
         self.unit_ar = np.arange(rb // unit, dtype=np.int64)
         self.slot_units = self.slot // unit
-        self.idx = np.empty((n, rb // unit), np.int64)
+        self.idx = np.empty((n, rb // unit), np.int64)  # per step: each row's units
         self.base_idx = self.slot_units[:, None] + self.unit_ar  # each row's units, at ip 0
         self.units: np.ndarray | None = None  # the staging buffer as [*, unit] (set by the reader)
         self.span_total = 0  # per step: the bytes asked of the device

@@ -53,7 +53,7 @@ import weakref
 import numpy as np
 
 from engramdb.errors import TruncatedFile
-from engramdb.io.base import read_error
+from engramdb.io.base import fd_path, read_error
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.mapping import prefault
 from engramdb.io.sqpoll import polled_ring, submit_pushed
@@ -63,7 +63,7 @@ from engramdb.io.uring_ring import (
     IORING_ENTER_SQ_WAKEUP,
     Ring,
     enter,
-    statx_dio_align,
+    open_direct,
 )
 from engramdb.layouts.geometry import PAGE
 from engramdb.read.step_plan import (
@@ -109,12 +109,13 @@ class StepReader:
         self._tickets: list[StepTicket] = []
         self._got = np.zeros(0, np.int64)  # per request: bytes read, or -errno
         self._checked = False  # the current step's reads reaped and checked
-        self._error: tuple[StepTicket | None, BaseException] | None = None
+        self._error: BaseException | None = None  # a read of the current step that failed
         self._left = 0  # requests of the current step not reaped yet
+        self._routed = False  # completions read one by one this step (no whole-step sum)
+        self._ready: set[int] = set()  # tickets (by lo) whose reads are checked, idx computed
+        self._counts: list[int] = []  # completions reaped per ticket (`_reap`)
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
         self.closed = False
-        self.steps = 0
-        self.requests = 0
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
@@ -157,13 +158,12 @@ class StepReader:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return -1, 0
         try:
-            dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            dfd, align = open_direct(fd)
         except OSError as e:
-            if e.errno in (_errno.EINVAL, _errno.EOPNOTSUPP):
-                return -1, 0
             raise read_error(e.errno or _errno.EIO, fd, 0, "cannot open O_DIRECT") from e
+        if dfd < 0:
+            return -1, 0
         self._direct.append(dfd)
-        align = statx_dio_align(dfd)
         if align > PAGE:  # never seen; the staging layout assumes at most a page
             return -1, 0
         return dfd, align
@@ -275,8 +275,8 @@ class StepReader:
             self._got = np.empty(max(n, 256), np.int64)
         self._checked = False
         self._error = None
-        self._routed = False  # completions read one by one this step (no whole-step sum)
-        self._ready: set[int] = set()  # tickets (by lo) whose reads are checked, idx computed
+        self._routed = False
+        self._ready = set()
         self._plan = plan
         self._left = n
         lo = 0
@@ -300,9 +300,6 @@ class StepReader:
             self._ring = None  # a fresh ring next time
             self._owned[0] = None
             ring.close()
-            return True
-        self.steps += 1
-        self.requests += n
         return True
 
     @staticmethod
@@ -335,8 +332,7 @@ class StepReader:
         head = int(ring.cq_head[0])
         count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
         if count < self._left:
-            flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
-            enter(ring.fd, 0, self._left - count, flags)  # the GIL released meanwhile
+            _wait(ring, self._left - count)
             count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
         start = head & ring.cq_mask
         if count != self._left or start + count > ring.cq_entries:
@@ -354,9 +350,7 @@ class StepReader:
         assert ring is not None
         got = ring.reap()
         if got.size == 0 and wait:
-            # the GIL released meanwhile; a polling thread gone to sleep is woken
-            flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
-            r = enter(ring.fd, 0, 1, flags)
+            r = _wait(ring, 1)
             if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
                 plan = self._plan
                 fd = int(plan.src_fd[0]) if plan is not None else -1
@@ -383,8 +377,7 @@ class StepReader:
             return
         plan = self._checked_plan(t)
         if plan is None:
-            assert self._error is not None
-            t.error, t.state = self._error[1], FAILED
+            t.error, t.state = self._error, FAILED
             return
         units = self._units(plan)
         t.rows = units.take(plan.idx[t.lo : t.hi], 0).reshape(t.hi - t.lo, plan.rb)
@@ -408,10 +401,11 @@ class StepReader:
             return False
         plan = self._checked_plan(t)
         if plan is None:
-            assert self._error is not None
+            err = self._error
+            assert err is not None
             for tk in tickets:
-                tk.error, tk.state = self._error[1], FAILED
-            raise self._error[1]
+                tk.error, tk.state = err, FAILED
+            raise err
         idx = plan.idx if t is None else plan.idx[t.lo : t.hi]
         self._units(plan).take(idx.reshape(dest.shape[:-1]), 0, out=dest, mode="clip")
         for tk in tickets:
@@ -440,7 +434,7 @@ class StepReader:
                 if not np.array_equal(got, span):
                     err = self._reread(t.store, plan, np.flatnonzero(got != span) + lo)  # type: ignore[arg-type]
                     if err is not None:
-                        self._error = (t, err)
+                        self._error = err
                         return None
                 self._index(plan, lo, hi)
                 self._ready.add(lo)
@@ -490,7 +484,7 @@ class StepReader:
             owner = self._owner_of(int(bad[0]))
             err = self._reread(owner.store, plan, bad)  # type: ignore[arg-type]
             if err is not None:
-                self._error = (None, err)
+                self._error = err
                 return False
         return True
 
@@ -520,7 +514,7 @@ class StepReader:
                 return read_error(e.errno or _errno.EIO, fd, off)
             if len(data) < rb:
                 return TruncatedFile(
-                    f"table {store.name!r}: a row of {rb} B at offset {off} of {_path(fd)} "
+                    f"table {store.name!r}: a row of {rb} B at offset {off} of {fd_path(fd)} "
                     "lies past the end of the file (it is shorter than when opened)"
                 )
             p = int(plan.slot[i] + (off - int(plan.tmp[i])))
@@ -551,6 +545,13 @@ class StepReader:
             self._plans.clear()
 
 
+def _wait(ring: Ring, count: int) -> int:
+    """Wait for ``count`` more completions (the GIL released meanwhile), waking a polling
+    thread gone to sleep; ``io_uring_enter``'s result."""
+    flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
+    return enter(ring.fd, 0, count, flags)
+
+
 def _staged(ring: Ring, plan: Plan) -> np.ndarray:
     """The ring's staging entries for a step of ``plan``: descriptor, address and tag (the
     request's index) of each request filled in."""
@@ -559,13 +560,6 @@ def _staged(ring: Ring, plan: Plan) -> np.ndarray:
     st["addr"] = plan.addr
     st["user_data"] = np.arange(plan.n, dtype=np.uint64)
     return st
-
-
-def _path(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return f"fd {fd}"
 
 
 def _release(direct: list[int], owned: list[object]) -> None:

@@ -795,14 +795,6 @@ class LocalTable(RowTable):
             return None
         return [self._fds[one[0]]], 0, one[1]
 
-    def where(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(index into fd_array, byte offset in that file)`` of each validated id's row (a
-        table that is one mapped array: a built table, or an attached one of one column)."""
-        seg = self._segments
-        if seg is None:
-            return locate(flat, self.geometry)
-        return seg.where(flat)
-
     def counters(self) -> dict[str, int]:
         """Calls and rows served so far (a copy): ``fetch_calls``, ``rows_fetched``,
         ``small_gathers`` (decode steps and `fetch_into`'s mapped fast path),
