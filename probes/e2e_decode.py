@@ -5,6 +5,7 @@ tables in RAM vs through EngramDB (issues 18 item 5 and 21).
     python probes/e2e_decode.py --full             # 2 x 2.1 GB tables (4.2 GB), 256 steps, 3 reps
     python probes/e2e_decode.py [--table-gb G] [--steps N] [--reps R] [--batches 1,8]
         [--hidden 448] [--blocks 4] [--arms ram,warm:module,...] [--no-train] [--dir D] [--keep]
+        [--gpu-arms gpu:ram,gpu:host,...] [--gpu-hidden 4096] [--gpu-blocks 32] [--paired]
 
 The model: a token embedding (8192 tokens), ``--blocks`` residual MLP blocks of width
 ``--hidden``, an lm head, and two engram-peft 1.2.7 `EngramLayer`s (ids 1 and 3, after blocks 1
@@ -36,7 +37,19 @@ started by its first cold read or prefetch, or by its first faulting mapped read
   by the pre-fetched-rows hook (`DiskMultiHeadEmbedding(decoder=, layer=)`, no copy; the hook
   checks the model's ids equal the decoder's). ``decoder:on`` / ``decoder:off`` force prefetch.
 
-Correctness first: every arm's tokens must equal the ``ram`` arm's (exit 1 otherwise). Printed per
+**GPU arms** (issue 18 item 6; probes/e2e_gpu.py), run after the CPU arms where a CUDA device
+is present (otherwise skipped with the reason printed): the same model on the GPU, sized by
+``--gpu-hidden`` / ``--gpu-blocks`` (f32, default 4096 x 32 blocks: 17 GB of weights, a
+bandwidth-bound ~5 ms step on an H200). Rows reach each Engram layer the way an engine's offload
+path moves them: into a pinned host buffer (the decoder's ``fill`` writes there directly; a
+module's output is copied in), then an H2D copy on a side stream (``non_blocking``, issued by the
+host, outside any captured region) that the compute stream waits for. Arms ``gpu:ram`` (the
+table in GPU memory: the baseline of the ratios), ``gpu:host`` (in host RAM, staged the same
+way: a second ratio column), ``warm:gpu:module``, ``warm:gpu:decoder``, ``cold:gpu:module``,
+``cold:gpu:module+pf``, ``cold:gpu:decoder`` (``--gpu-arms``). ``E2E_GPU_DRYRUN=1`` runs their
+code on the CPU to check the plumbing (not a measurement).
+
+Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwise). Printed per
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
 module's forward, plus push/fill/prefetch calls), minor/major faults per step, RSS anon/file
 (MB), 32-token prefill and its ratio. Then the warm per-step lookup of the module vs
@@ -67,18 +80,69 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_note, median, write_json  # noqa: E402
 
-from engramdb.integrations.engines import hide_broken_torch_extensions  # noqa: E402
+from engramdb.integrations.engines._env import (  # noqa: E402
+    apply_inherited_hiding,
+    hide_broken_torch_extensions,
+)
 
-hide_broken_torch_extensions()  # before engram-peft imports transformers' trainer
+# Before engram-peft imports transformers' trainer: the parent checks which media packages
+# fail to import; its children hide the same ones (inherited) without checking again.
+if "--child" in sys.argv:
+    apply_inherited_hiding()
+else:
+    hide_broken_torch_extensions()
 
 if not hasattr(typing, "override"):  # engram-peft 1.2.7 imports typing.override (3.12+)
     import typing_extensions
 
     typing.override = typing_extensions.override  # type: ignore[attr-defined]
 
+
+def _engram_peft_layers() -> None:
+    """Import engram-peft; where its package ``__init__`` fails (its trainer extras need
+    ``trl``, absent from some machines, e.g. the GPU image), load the package without it:
+    the layer, config and hashing modules this probe uses are engram-peft's own files."""
+    import importlib.util
+    import types
+
+    try:
+        import engram_peft  # noqa: F401
+    except Exception as e:  # ImportError, or a trainer extra that breaks on import
+        spec = importlib.util.find_spec("engram_peft")
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        pkg = types.ModuleType("engram_peft")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        sys.modules["engram_peft"] = pkg
+        if "--child" not in sys.argv:
+            print(
+                f"note: engram_peft's package __init__ does not import here ({e}); its "
+                "layer modules are imported without the trainer extras"
+            )
+
+
+_engram_peft_layers()
+
 ENGRAM_AFTER = {1: 1, 3: 3}  # engram layer id -> the block it follows
 ROW_BYTES, DIM, HEADS = 320, 80, 16
 DEFAULT_ARMS = "ram,warm:module,warm:decoder,cold:module,cold:module+pf,cold:decoder"
+#: The CUDA engine path's arms (probes/e2e_gpu.py), run where a CUDA device is present.
+DEFAULT_GPU_ARMS = (
+    "gpu:ram,gpu:host,warm:gpu:module,warm:gpu:decoder,cold:gpu:module,cold:gpu:module+pf,"
+    "cold:gpu:decoder"
+)
+
+
+def parse_arm(arm: str) -> tuple[str, str, bool]:
+    """``[state:][gpu:]kind`` -> (state, kind, on the GPU)."""
+    parts = arm.split(":")
+    gpu = "gpu" in parts
+    if gpu:
+        parts.remove("gpu")
+    if parts[0] in ("warm", "cold", "warm+pop"):
+        return parts[0], ":".join(parts[1:]), gpu
+    return "", ":".join(parts), gpu
 
 
 # -- setup (both sides) -----------------------------------------------------------------------
@@ -173,8 +237,9 @@ class Clock:
         cls.parts[part] = cls.parts.get(part, 0.0) + dt
 
 
-def build_model(args: argparse.Namespace, cfg: Any, h: Any) -> Any:
-    """The toy model with engram-peft layers whose tables are left unallocated (meta)."""
+def build_model(args: argparse.Namespace, cfg: Any, h: Any, device: str = "cpu") -> Any:
+    """The toy model with engram-peft layers whose tables are left unallocated (meta), its
+    weights created (and initialised) on ``device``."""
     import engram_peft.layer as ep_layer
     import torch
     from torch import nn
@@ -222,7 +287,7 @@ def build_model(args: argparse.Namespace, cfg: Any, h: Any) -> Any:
             self.engram[str(lay)].multi_head_embedding = Timed(module)
 
         def forward(self, tokens: torch.Tensor, hashes: dict[int, torch.Tensor]) -> torch.Tensor:
-            x = self.embed(tokens)
+            x = self.embed(tokens.to(self.head.weight.device, non_blocking=True))
             for b, block in enumerate(self.blocks):
                 x = x + block(x)
                 for lay, after in ENGRAM_AFTER.items():
@@ -230,12 +295,20 @@ def build_model(args: argparse.Namespace, cfg: Any, h: Any) -> Any:
                         if self.before_layer is not None:
                             self.before_layer(lay)
                         x = self.engram[str(lay)](hidden_states=x, engram_hash_indices=hashes[lay])
-            return self.head(x[:, -1]).argmax(-1)  # type: ignore[no-any-return]
+            # the sampled token back on the host (on the GPU: the step's one synchronisation)
+            return self.head(x[:, -1]).argmax(-1).cpu()  # type: ignore[no-any-return]
 
     torch.manual_seed(0)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.device(device):
         warnings.simplefilter("ignore")
         model = ToyModel().eval()
+        if device != "cpu":  # stray CPU buffers over too; the meta tables stay put (replaced)
+            metas = {lay: model.engram[str(lay)].multi_head_embedding for lay in ENGRAM_AFTER}
+            for lay in ENGRAM_AFTER:
+                model.engram[str(lay)].multi_head_embedding = nn.Identity()
+            model.to(device)
+            for lay, m in metas.items():
+                model.engram[str(lay)].multi_head_embedding = m
     with torch.no_grad():  # large engram branch: a wrong row changes the next token
         for lay in ENGRAM_AFTER:
             for p in model.engram[str(lay)].gating.parameters():
@@ -269,17 +342,34 @@ def child(args: argparse.Namespace) -> None:
     from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
 
     root = Path(args.root)
-    state, _, kind = args.child.partition(":") if ":" in args.child else ("", "", args.child)
+    state, kind, gpu = parse_arm(args.child)
     b = args.batch
     cfg = engram_config(args)
     h = keygen.hasher("engram-peft", cfg)
     resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
-    model = build_model(args, cfg, h)
+    stager: Any = None
+    if gpu:  # the CUDA engine path: the model on the GPU, rows staged through pinned memory
+        import e2e_gpu
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        stager = e2e_gpu.Stager(e2e_gpu.device())
+    model = build_model(args, cfg, h, stager.device.type if gpu else "cpu")
+
+    def baseline(lay: int, on_device: bool = True) -> Any:
+        """The in-RAM table as the model gets it: on the GPU path in GPU memory (``gpu:ram``,
+        and the paired baseline) or staged from host RAM (``gpu:host``)."""
+        mhe = ram_table(root, lay, h)
+        if not gpu:
+            return mhe
+        if on_device:
+            return e2e_gpu.gpu_table_module(mhe, stager.device)
+        return e2e_gpu.staged_module(mhe, stager, lay)
+
     ram_mods: dict[int, Any] = {}
-    if args.paired and kind != "ram":
+    if args.paired and kind not in ("ram", "host"):
         # The in-RAM baseline in this same process, read before the store opens; a cold arm's
         # files are dropped from the page cache again afterwards (nothing maps them yet).
-        ram_mods = {lay: ram_table(root, lay, h) for lay in ENGRAM_AFTER}
+        ram_mods = {lay: baseline(lay) for lay in ENGRAM_AFTER}
         if state == "cold":
             evict_tables(root)
         resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
@@ -288,32 +378,47 @@ def child(args: argparse.Namespace) -> None:
     db = engramdb.open(root / "db", background_warm=not args.no_background_warm)
     stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
     dec = None
-    mods: dict[int, Any] = {}
-    if kind == "ram":
-        for lay in ENGRAM_AFTER:
-            model.set_table(lay, ram_table(root, lay, h))
+    mods: dict[int, Any] = {}  # EngramDB's modules (prefetch calls, counters)
+    tables: dict[int, Any] = {}  # what the model's layers call
+    if kind in ("ram", "host"):
+        if kind == "host" and not gpu:
+            raise SystemExit("the host arm is a GPU arm (gpu:host)")
+        tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
     elif kind.startswith("decoder"):
         pf = {"decoder": "auto", "decoder:on": True, "decoder:off": False}[kind]
         dec = Decoder(stores, h, batch=b, prefetch=pf, compressed=True)
-        for lay in ENGRAM_AFTER:
+        for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
-            model.set_table(lay, mods[lay])
+            tables[lay] = (
+                e2e_gpu.decoder_rows_module(mods[lay], stager, i, len(ENGRAM_AFTER))
+                if gpu
+                else mods[lay]
+            )
     else:
         for lay in ENGRAM_AFTER:
             mods[lay] = DiskMultiHeadEmbedding(stores[lay])
-            model.set_table(lay, mods[lay])
+            tables[lay] = e2e_gpu.staged_module(mods[lay], stager, lay) if gpu else mods[lay]
+    for lay, t in tables.items():
+        model.set_table(lay, t)
     if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
         for st in stores.values():
             st.populate()
     prefetch_module = kind == "module+pf"
     offs = {lay: h.offsets(lay) for lay in ENGRAM_AFTER}
     bufs: dict[str, np.ndarray] = {}
+    fill_layer = None
     if dec is not None:
         d = dec
+        fill_layer = (
+            e2e_gpu.decoder_before_layer(d, stager, bufs)
+            if gpu
+            else (lambda lay: d.fill(bufs["out"], layer=lay))
+        )
+        fl = fill_layer
 
         def before(lay: int) -> None:
             t0 = time.perf_counter()
-            d.fill(bufs["out"], layer=lay)
+            fl(lay)
             Clock.add(f"fill{lay}", time.perf_counter() - t0)
 
         model.before_layer = before
@@ -382,7 +487,9 @@ def child(args: argparse.Namespace) -> None:
     run(rng.integers(0, args.vocab, (b, 8)), 4)  # compute warm-up (touches ~0.01 % of rows)
     prompt = np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt))
     if ram_mods:  # a --paired child: only the paired figure
-        pdoc = paired_steps(args, model, h, prompt, ram_mods, mods, dec, bufs, offs, b)
+        pdoc = paired_steps(
+            args, model, h, prompt, ram_mods, tables, mods, dec, fill_layer, bufs, offs, b
+        )
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
         db.close()
         print("RESULT " + json.dumps(pdoc))
@@ -419,8 +526,10 @@ def paired_steps(
     h: Any,
     prompt: np.ndarray,
     ram_mods: dict[int, Any],
+    tables: dict[int, Any],
     mods: dict[int, Any],
     dec: Any,
+    fill_layer: Any,
     bufs: dict[str, np.ndarray],
     offs: dict[int, np.ndarray],
     b: int,
@@ -433,8 +542,10 @@ def paired_steps(
     import torch
 
     class Side:
-        def __init__(self, tables: dict[int, Any], dec: Any, prefetch: bool) -> None:
-            self.tables, self.dec, self.prefetch = tables, dec, prefetch
+        def __init__(
+            self, tables: dict[int, Any], mods: dict[int, Any], dec: Any, prefetch: bool
+        ) -> None:
+            self.tables, self.mods, self.dec, self.prefetch = tables, mods, dec, prefetch
             self.streams = {
                 lay: h.stream(layer=lay, compressed=True, local=True) for lay in ENGRAM_AFTER
             }
@@ -448,8 +559,7 @@ def paired_steps(
                     model.set_table(lay, self.tables[lay])
                     self.wrapped[lay] = model.engram[str(lay)].multi_head_embedding
                 model.engram[str(lay)].multi_head_embedding = self.wrapped[lay]
-            d = self.dec
-            model.before_layer = None if d is None else (lambda lay: d.fill(bufs["out"], layer=lay))
+            model.before_layer = None if self.dec is None else fill_layer
 
         def feed(self, col: np.ndarray) -> dict[int, Any]:
             d = self.dec
@@ -462,7 +572,7 @@ def paired_steps(
             hashes = {lay: torch.from_numpy(st.push(col)) for lay, st in self.streams.items()}
             if self.prefetch:
                 for lay, ids in hashes.items():
-                    self.tables[lay].prefetch(ids)
+                    self.mods[lay].prefetch(ids)
             return hashes
 
         def start(self) -> None:
@@ -488,8 +598,8 @@ def paired_steps(
                 total += time.perf_counter() - t0
             return total
 
-    ram = Side(ram_mods, None, False)
-    arm = Side(mods, dec, args.child.endswith("module+pf"))
+    ram = Side(ram_mods, {}, None, False)
+    arm = Side(tables, mods, dec, args.child.endswith("module+pf"))
     with torch.no_grad():
         arm.start()  # first: the cold arm's first reads are part of what is measured
         ram.start()
@@ -573,27 +683,39 @@ def train_child(args: argparse.Namespace) -> None:
 def spawn(
     args: argparse.Namespace, root: Path, arm: str, b: int, paired: bool = False
 ) -> dict[str, Any]:
-    state = arm.split(":")[0]
+    state, _, gpu = parse_arm(arm)
     if state == "cold":
         evict_tables(root)
     elif state.startswith("warm"):
         warm_tables(root)
     cmd = [sys.executable, __file__, "--child", arm, "--batch", str(b), "--root", str(root)]
+    size = {"hidden": args.gpu_hidden, "blocks": args.gpu_blocks} if gpu else {}
     for k in ("table_gb", "steps", "hidden", "blocks", "vocab", "prompt", "train_tokens"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        cmd += [f"--{k.replace('_', '-')}", str(size.get(k, getattr(args, k)))]
     if args.no_background_warm:
         cmd.append("--no-background-warm")
     if paired:
         cmd.append("--paired")
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ArmFailed(f"arm {arm} B={b} ran past {args.arm_timeout} s") from e
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
-        raise SystemExit(f"arm {arm} B={b} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        raise ArmFailed(f"arm {arm} B={b} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
 
 
+class ArmFailed(Exception):
+    """A child process of one (arm, B) failed or ran past ``--arm-timeout``."""
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, Any], bool]:
-    ram = runs["ram"]
+    """Per arm: medians and ratios to the first arm (the in-RAM table); on the GPU path also
+    to ``gpu:host`` (the table in host RAM, staged like the EngramDB arms)."""
+    ram = next(iter(runs.values()))
+    host = runs.get("gpu:host")
+    host_tps = median([r["tokens_per_s"] for r in host]) if host else None
     ref = ram[0]["tokens"]
     ram_tps = median([r["tokens_per_s"] for r in ram])
     ram_pre = median([r["prefill_ms"] for r in ram])
@@ -627,6 +749,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
         m["prefill_vs_ram"] = m["prefill_ms"] / ram_pre
         m["lookup_vs_ram"] = m["lookup_ms"] / ram_lk
         m["decode_vs_ram_reps"] = [r["tokens_per_s"] / ram_tps for r in rs]
+        if host_tps:
+            m["decode_vs_host"] = m["tokens_per_s"] / host_tps
         m["tokens_identical"] = same
         m["lookup_parts_us"] = {
             k: median([r["lookup_parts_us"].get(k, 0.0) for r in rs])
@@ -654,6 +778,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
             + " ".join(f"{x:.3f}" for x in m["decode_vs_ram_reps"])
             + "; lookup us/step: "
             + ", ".join(f"{k} {v:.0f}" for k, v in m["lookup_parts_us"].items())
+            + (f"; vs gpu:host {m['decode_vs_host']:.3f}x" if host_tps else "")
         )
     return rows, ok
 
@@ -670,9 +795,24 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--arms", default=DEFAULT_ARMS)
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help="CPU arms ('' for none)")
+    ap.add_argument(
+        "--gpu-arms",
+        default=DEFAULT_GPU_ARMS,
+        help="the CUDA engine path's arms, run where a CUDA device is present ('' for none)",
+    )
+    ap.add_argument("--gpu-hidden", type=int, default=4096, help="GPU model width")
+    ap.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=32,
+        help="GPU model blocks (f32; 4096 x 32 blocks: 17 GB of weights, a ~5 ms step on an H200)",
+    )
     ap.add_argument("--train-tokens", type=int, default=1 << 20)
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument(
+        "--arm-timeout", type=float, default=600.0, help="seconds one arm's process may run"
+    )
     ap.add_argument(
         "--no-background-warm",
         action="store_true",
@@ -701,9 +841,21 @@ def main() -> None:
         args.table_gb, args.steps, args.reps, args.train_tokens = 0.256, 128, 2, 1 << 19
     if args.full:
         args.table_gb, args.steps, args.reps = 4.2, 256, 3
-    arms = args.arms.split(",")
-    if arms[0] != "ram":
+    arms = [a for a in args.arms.split(",") if a]
+    if arms and arms[0] != "ram":
         raise SystemExit("the first arm must be ram (the baseline)")
+    gpu_arms = [a for a in args.gpu_arms.split(",") if a]
+    if gpu_arms and gpu_arms[0] != "gpu:ram":
+        raise SystemExit("the first GPU arm must be gpu:ram (the baseline)")
+    if gpu_arms:
+        import e2e_gpu
+
+        why = e2e_gpu.cuda_note()
+        if why is not None:
+            print(f"GPU arms skipped: {why}")
+            gpu_arms = []
+        else:  # cuBLAS picks the same kernels in every arm's process: identical tokens
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="e2e_decode_"))
     root.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"args": vars(args), "cpu": cpu_note()}
@@ -722,41 +874,20 @@ def main() -> None:
             f"vocab {args.vocab}; {args.steps} steps, {args.reps} reps, fresh process per arm"
         )
         doc["table_gb"] = gb
-        for b in [int(x) for x in args.batches.split(",")]:
-            runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-            pairs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms[1:]}
-            for rep in range(args.reps):
-                order = arms if rep % 2 == 0 else arms[:1] + arms[1:][::-1]
-                for arm in order:
-                    runs[arm].append(spawn(args, root, arm, b))
-                    if args.paired and arm != "ram":
-                        pairs[arm].append(spawn(args, root, arm, b, paired=True))
-            rows, same = summarize(runs, b)
-            ok &= same
-            if args.paired:
-                print(f"  B={b} paired in one process (8-step blocks alternating with in-RAM):")
-                for arm, ps in pairs.items():
-                    rows[arm]["paired_vs_ram"] = median([p["paired_vs_ram"] for p in ps])
-                    rows[arm]["paired_vs_ram_reps"] = [p["paired_vs_ram"] for p in ps]
-                    same_p = all(p["paired_tokens_identical"] for p in ps)
-                    ok &= same_p
-                    print(
-                        f"     {arm:18s} {rows[arm]['paired_vs_ram']:.3f}x  per rep "
-                        + " ".join(f"{p['paired_vs_ram']:.3f}" for p in ps)
-                        + "  block medians "
-                        + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
-                        + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
-                        + f"  tokens identical {'yes' if same_p else 'NO'}"
-                    )
-            doc[f"B{b}"] = rows
-            warm = rows.get("warm:module")
-            if warm is not None:
+        for path, path_arms in (("cpu", arms), ("gpu", gpu_arms)):
+            if not path_arms:
+                continue
+            if path == "gpu":
                 print(
-                    f"  B={b} warm lookup per step: DiskMultiHeadEmbedding "
-                    f"{warm['lookup_ms'] * 1e3:.1f} us vs nn.Embedding (engram-peft's "
-                    f"MultiHeadEmbedding) {rows['ram']['lookup_ms'] * 1e3:.1f} us = "
-                    f"{warm['lookup_vs_ram']:.2f}x (bar <= 1.5x)"
+                    f"GPU arms on {e2e_gpu.device_name()}: model hidden {args.gpu_hidden}, "
+                    f"{args.gpu_blocks} blocks (f32); rows staged through pinned host memory, "
+                    "H2D on a side stream; baselines gpu:ram (table in GPU memory) and gpu:host "
+                    "(table in host RAM, staged the same way)"
                 )
+            for b in [int(x) for x in args.batches.split(",")]:
+                rows, same = run_batch(args, root, path_arms, b)
+                ok &= same
+                doc[f"B{b}" if path == "cpu" else f"gpu_B{b}"] = rows
         if not args.no_train:
             warm_tables(root)
             tr = train_run(args, root)
@@ -774,6 +905,57 @@ def main() -> None:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     sys.exit(0 if ok else 1)
+
+
+def run_batch(
+    args: argparse.Namespace, root: Path, arms: list[str], b: int
+) -> tuple[dict[str, Any], bool]:
+    """Every arm at batch ``b``, ``--reps`` times interleaved (ABBA); prints the table."""
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    pairs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms[1:]}
+    failed = False
+    for rep in range(args.reps):
+        order = arms if rep % 2 == 0 else arms[:1] + arms[1:][::-1]
+        for arm in order:
+            try:  # a failed arm is reported and the others still run (exit status 1)
+                runs[arm].append(spawn(args, root, arm, b))
+                if args.paired and parse_arm(arm)[1] not in ("ram", "host"):
+                    pairs[arm].append(spawn(args, root, arm, b, paired=True))
+            except ArmFailed as e:
+                print(f"FAILED: {e}")
+                failed = True
+                if arm == arms[0]:
+                    return {}, False
+    rows, ok = summarize({a: rs for a, rs in runs.items() if rs}, b)
+    ok &= not failed
+    if args.paired:
+        print(f"  B={b} paired in one process (8-step blocks alternating with in-RAM):")
+        for arm, ps in pairs.items():
+            if not ps:
+                continue
+            rows[arm]["paired_vs_ram"] = median([p["paired_vs_ram"] for p in ps])
+            rows[arm]["paired_vs_ram_reps"] = [p["paired_vs_ram"] for p in ps]
+            same_p = all(p["paired_tokens_identical"] for p in ps)
+            ok &= same_p
+            print(
+                f"     {arm:18s} {rows[arm]['paired_vs_ram']:.3f}x  per rep "
+                + " ".join(f"{p['paired_vs_ram']:.3f}" for p in ps)
+                + "  block medians "
+                + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
+                + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
+                + f"  tokens identical {'yes' if same_p else 'NO'}"
+            )
+    base = arms[0]
+    for warm_arm in ("warm:module", "warm:gpu:module"):
+        warm = rows.get(warm_arm)
+        if warm is not None:
+            print(
+                f"  B={b} warm lookup per step: DiskMultiHeadEmbedding ({warm_arm}) "
+                f"{warm['lookup_ms'] * 1e3:.1f} us vs nn.Embedding (engram-peft's "
+                f"MultiHeadEmbedding, {base}) {rows[base]['lookup_ms'] * 1e3:.1f} us = "
+                f"{warm['lookup_vs_ram']:.2f}x" + (" (bar <= 1.5x)" if base == "ram" else "")
+            )
+    return rows, ok
 
 
 def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
