@@ -21,7 +21,7 @@ from engramdb.read.step_plan import StepTicket
 from engramdb.read.steps import StepReader
 from engramdb.rowcodec import RowCodec, codec_for
 from engramdb.table_api import RowTable
-from engramdb.validate import unsigned_max
+from engramdb.validate import SmallBounds, unsigned_max
 
 try:
     import torch
@@ -31,6 +31,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 
 #: torch dtypes a row's bytes can be viewed as in numpy first (bfloat16 has no numpy twin).
+#: Ids up to this many (a decode step's, B <= 16 at 16 heads) are bounds-checked as integer
+#: lanes (`SmallBounds`), more by numpy reductions (the lanes cost grows with the count; a
+#: reduction's barely does).
+_LANE_IDS = 256
+
 _NP_VIEWS: dict[Any, Any] = {
     torch.float32: np.float32,
     torch.float16: np.float16,
@@ -225,6 +230,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._offsets_np = store.head_offsets.copy()
         self._heads_u64 = np.asarray(store.heads, dtype=np.uint64)
         self._min_head = int(self._heads_u64.min()) if self._heads_u64.size else 0
+        self._head_bounds = (
+            SmallBounds(self._heads_u64.astype(np.int64)) if self._heads_u64.size else None
+        )
         self._n_heads = store.n_heads
         self._rb = self.codec.row_bytes
         # The trusted small gather of a local table (duck-typed: any table offering it).
@@ -420,7 +428,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         """Whether every id of int64 ``ids`` (``[..., H]``, read as unsigned: a negative id
         is huge, so one comparison checks both ends) is below its head's size: one max
         (`unsigned_max`) when they are all below the smallest head, else the per-head
-        compare."""
+        compare. A decode step's few ids are checked against their own heads' sizes as
+        integer lanes instead (`SmallBounds`: exact, no numpy call)."""
+        hb = self._head_bounds
+        if hb is not None and ids.size <= _LANE_IDS:
+            return hb.ok(ids)
         if unsigned_max(ids) < self._min_head:
             return True
         return bool((ids.view(np.uint64) < self._heads_u64).all())

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+import sys
+from typing import Any, Literal
 
 import numpy as np
 
@@ -75,12 +76,61 @@ def format_position(pos: int, shape: tuple[int, ...] | None) -> str:
 
 def unsigned_max(ids: np.ndarray) -> int:
     """The largest of int64 ``ids`` read as unsigned (a negative id is huge, so one bound
-    checks both ends; 0 when empty). A few contiguous ids (a decode step's) are read through
-    a memoryview: no numpy reduction, whose setup costs more than the ids once the caches
-    are cold. Otherwise one uint64 reduction."""
-    if ids.size <= 256 and ids.flags.c_contiguous:
+    checks both ends; 0 when empty). Up to 16 contiguous ids are read through a memoryview
+    (no numpy reduction, whose setup costs more than so few ids once the caches are cold);
+    more by one uint64 reduction (measured here: 128 ids 0.9 µs reduced, 3.3 µs through
+    the memoryview). `SmallBounds` checks a decode step's ids against one bound faster."""
+    if ids.size <= 16 and ids.flags.c_contiguous:
         return max(ids.data.cast("B").cast("Q"), default=0)
     return int(ids.view(np.uint64).max(initial=0))
+
+
+class SmallBounds:
+    """An exact bounds check for a few int64 ids in a few integer operations instead of
+    numpy reductions or a Python loop (a decode step's 16 ids: ~0.3 µs against ~0.9 µs for
+    `unsigned_max`). ``bounds`` is one bound for every id, or one per position of the last
+    axis (per head: id ``i`` of the flattened ids is checked against ``bounds[i % len]``).
+
+    The ids' bytes are read as one integer of 64-bit lanes. A lane with its top bit set is a
+    negative id. Otherwise adding ``2**63 - bound`` to every lane cannot carry into the next
+    lane, and sets a lane's top bit exactly when its id is ``>= bound``. The lane constants
+    are kept per count of ids."""
+
+    __slots__ = ("bounds", "_lanes")
+
+    def __init__(self, bounds: int | Any):
+        b = np.atleast_1d(np.asarray(bounds, dtype=object)).astype(np.int64).reshape(-1)
+        if b.size == 0 or (b < 0).any():
+            raise InvalidArgument(f"bounds must be non-negative, at least one, got {bounds!r}")
+        self.bounds = b
+        self._lanes: dict[int, tuple[int, int]] = {}
+
+    def lanes(self, count: int) -> tuple[int, int]:
+        """(the top bit of every lane, ``2**63 - bound`` in every lane) for ``count`` ids (a
+        multiple of the number of bounds)."""
+        got = self._lanes.get(count)
+        if got is None:
+            per = self.bounds.size
+            if count % per:
+                raise InvalidArgument(f"{count} ids are not a multiple of {per} bounds")
+            adds = np.tile((1 << 63) - self.bounds.astype(np.uint64), count // per)
+            tops = np.full(count, 1 << 63, np.uint64)
+            got = (
+                int.from_bytes(tops.tobytes(), BYTEORDER),
+                int.from_bytes(adds.tobytes(), BYTEORDER),
+            )
+            self._lanes[count] = got
+        return got
+
+    def ok(self, ids: np.ndarray) -> bool:
+        """Whether every id of int64 ``ids`` is in ``[0, its bound)``."""
+        top, add = self.lanes(ids.size)
+        x = int.from_bytes(ids.tobytes(), BYTEORDER)
+        return not (x & top or (x + add) & top)
+
+
+#: This machine's byte order, as ``int.from_bytes`` names it (`SmallBounds`).
+BYTEORDER: Literal["little", "big"] = "little" if sys.byteorder == "little" else "big"
 
 
 def check_bounds(

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engramdb
 from engramdb.errors import (
@@ -197,3 +199,69 @@ def test_unsigned_max_reads_negative_ids_as_huge_on_every_path() -> None:
     strided = np.arange(40, dtype=np.int64)[::2].copy()[::-1]  # not C-contiguous
     assert not strided.flags.c_contiguous and unsigned_max(strided) == 38
     assert unsigned_max(np.empty(0, np.int64)) == 0
+
+
+_EDGES = [0, 1, -1, -(2**63), 2**63 - 1, 7, 8, 9, 2**40]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n_rows=st.sampled_from([0, 1, 2, 8, 1000, 8_000_000, 2**40 + 7, 2**63 - 1]),
+    ids=st.lists(
+        st.one_of(st.sampled_from(_EDGES), st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**24)),
+        min_size=1,
+        max_size=40,
+    ),
+    shift=st.sampled_from([-1, 0, 1]),
+)
+def test_small_bounds_is_exact_for_every_id(n_rows: int, ids: list[int], shift: int) -> None:
+    """The lane check agrees with the plain comparison for every id, the ids at
+    ``n_rows - 1``, ``n_rows``, ``n_rows + 1`` and negative ones included."""
+    from engramdb.validate import SmallBounds
+
+    ids = ids + [min(max(n_rows + shift, -(2**63)), 2**63 - 1)]
+    arr = np.array(ids, np.int64)
+    want = bool(((arr >= 0) & (arr < n_rows)).all())
+    assert SmallBounds(n_rows).ok(arr) is want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    heads=st.lists(st.integers(0, 2**40), min_size=1, max_size=20),
+    rows=st.integers(1, 8),
+    data=st.data(),
+)
+def test_small_bounds_per_head_is_exact(heads: list[int], rows: int, data) -> None:  # type: ignore[no-untyped-def]
+    """One bound per head (the last axis): each id is checked against its own head's size,
+    so an id past a small head is refused even when it is below a larger head's size."""
+    from engramdb.validate import SmallBounds
+
+    def one(h: int) -> st.SearchStrategy[int]:
+        return st.sampled_from([0, h - 1, h, h + 1, -1, -(2**63), 2**63 - 1]).filter(
+            lambda v: -(2**63) <= v < 2**63
+        )
+
+    ids = np.array([[data.draw(one(h)) for h in heads] for _ in range(rows)], dtype=np.int64)
+    want = bool(((ids >= 0) & (ids < np.array(heads))).all())
+    assert SmallBounds(heads).ok(ids) is want
+
+
+def test_a_decode_step_fetch_refuses_every_out_of_range_id(db_factory) -> None:  # type: ignore[no-untyped-def]
+    """The small fast path of a mapped table (a decode step's 16 ids): each bad id in each
+    position is refused, named, and the output is left as it was; good ids read the rows."""
+    path, rows = db_factory({"t": (8, [100])})
+    with engramdb.open(path, backend="mmap") as db:
+        t = db["t"]
+        out = np.empty((16, 8), np.uint8)
+        ok = np.arange(16, dtype=np.int64) * 6 + 3
+        before = t.counters()["small_gathers"]
+        np.testing.assert_array_equal(t.fetch_into(ok, out), rows["t"][ok])
+        assert t.counters()["small_gathers"] == before + 1  # the mapped fast path served it
+        for bad in (100, 101, -1, -(2**63), 2**63 - 1):
+            for pos in (0, 7, 15):
+                ids = ok.copy()
+                ids[pos] = bad
+                out[:] = 0xAB
+                with pytest.raises(RowIdOutOfRange, match=str(bad)):
+                    t.fetch_into(ids, out)
+                assert (out == 0xAB).all()
