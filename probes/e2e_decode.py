@@ -39,8 +39,8 @@ started by its first cold read or prefetch, or by its first faulting mapped read
 
 **GPU arms** (issue 18 item 6; probes/e2e_gpu.py), run after the CPU arms where a CUDA device
 is present (otherwise skipped with the reason printed): the same model on the GPU, sized by
-``--gpu-hidden`` / ``--gpu-blocks`` (f32, default 4096 x 32 blocks: 17 GB of weights, a
-bandwidth-bound ~5 ms step on an H200). Rows reach each Engram layer the way an engine's offload
+``--gpu-hidden`` / ``--gpu-blocks`` (f32, default 4096 x 16 blocks: 8.6 GB of weights, a
+6-8 ms step on an H200; 32 blocks gave 12-14 ms). Rows reach each Engram layer the way an engine's offload
 path moves them: into a pinned host buffer (the decoder's ``fill`` writes there directly; a
 module's output is copied in), then an H2D copy on a side stream (``non_blocking``, issued by the
 host, outside any captured region) that the compute stream waits for. Arms ``gpu:ram`` (the
@@ -805,8 +805,9 @@ def main() -> None:
     ap.add_argument(
         "--gpu-blocks",
         type=int,
-        default=32,
-        help="GPU model blocks (f32; 4096 x 32 blocks: 17 GB of weights, a ~5 ms step on an H200)",
+        default=16,
+        help="GPU model blocks (f32; 4096 x 16 blocks: 8.6 GB of weights, a 6-8 ms step on an "
+        "H200; 32 blocks: 12-14 ms)",
     )
     ap.add_argument("--train-tokens", type=int, default=1 << 20)
     ap.add_argument("--no-train", action="store_true")
