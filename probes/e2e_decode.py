@@ -613,12 +613,17 @@ def paired_steps(
             t_ram += tr
             t_arm += ta
             ratios.append(tr / ta)
-    same = all(np.array_equal(x, y) for x, y in zip(ram.toks, arm.toks))
+    diff = [i for i, (x, y) in enumerate(zip(ram.toks, arm.toks)) if not np.array_equal(x, y)]
+    first = None
+    if diff:  # where the two decodes part: the step, and which sequences of the batch
+        i = diff[0]
+        first = {"step": i, "sequences": np.flatnonzero(ram.toks[i] != arm.toks[i]).tolist()}
     return {
         "paired_vs_ram": t_ram / t_arm,
         "paired_block_median": float(np.median(ratios)),
         "paired_blocks": blocks,
-        "paired_tokens_identical": bool(same and len(ram.toks) == len(arm.toks)),
+        "paired_tokens_identical": not diff and len(ram.toks) == len(arm.toks),
+        "paired_first_difference": first,
     }
 
 
@@ -945,6 +950,11 @@ def run_batch(
                 + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
                 + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
                 + f"  tokens identical {'yes' if same_p else 'NO'}"
+                + "".join(
+                    f"  (rep {k}: first difference at step {d['step']}, sequences {d['sequences']})"
+                    for k, d in enumerate(p.get("paired_first_difference") for p in ps)
+                    if d
+                )
             )
     base = arms[0]
     for warm_arm in ("warm:module", "warm:gpu:module"):
