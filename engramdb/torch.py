@@ -30,12 +30,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
 
-#: torch dtypes a row's bytes can be viewed as in numpy first (bfloat16 has no numpy twin).
 #: Ids up to this many (a decode step's, B <= 16 at 16 heads) are bounds-checked as integer
 #: lanes (`SmallBounds`), more by numpy reductions (the lanes cost grows with the count; a
 #: reduction's barely does).
 _LANE_IDS = 256
 
+#: torch dtypes a row's bytes can be viewed as in numpy first (bfloat16 has no numpy twin).
 _NP_VIEWS: dict[Any, Any] = {
     torch.float32: np.float32,
     torch.float16: np.float16,
