@@ -99,7 +99,7 @@ class SmallBounds:
     __slots__ = ("bounds", "_lanes")
 
     def __init__(self, bounds: int | Any):
-        b = np.atleast_1d(np.asarray(bounds, dtype=object)).astype(np.int64).reshape(-1)
+        b = np.asarray(bounds, dtype=np.int64).reshape(-1)
         if b.size == 0 or (b < 0).any():
             raise InvalidArgument(f"bounds must be non-negative, at least one, got {bounds!r}")
         self.bounds = b
@@ -124,7 +124,7 @@ class SmallBounds:
 
     def ok(self, ids: np.ndarray) -> bool:
         """Whether every id of int64 ``ids`` is in ``[0, its bound)``."""
-        top, add = self.lanes(ids.size)
+        top, add = self._lanes.get(ids.size) or self.lanes(ids.size)
         x = int.from_bytes(ids.tobytes(), BYTEORDER)
         return not (x & top or (x + add) & top)
 

@@ -701,18 +701,24 @@ def spawn(
         cmd.append("--no-background-warm")
     if paired:
         cmd.append("--paired")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
-    except subprocess.TimeoutExpired as e:
-        raise ArmFailed(f"arm {arm} B={b} ran past {args.arm_timeout} s") from e
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not lines:
-        raise ArmFailed(f"arm {arm} B={b} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
+    return run_child(cmd, f"arm {arm} B={b}", args.arm_timeout)
 
 
 class ArmFailed(Exception):
-    """A child process of one (arm, B) failed or ran past ``--arm-timeout``."""
+    """A child process (one arm and B, or the training side) failed or ran past
+    ``--arm-timeout``."""
+
+
+def run_child(cmd: list[str], what: str, timeout: float) -> dict[str, Any]:
+    """Run a child of this probe; the JSON of its last ``RESULT`` line."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise ArmFailed(f"{what} ran past {timeout} s") from e
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise ArmFailed(f"{what} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, Any], bool]:
@@ -973,11 +979,10 @@ def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "train", "--root", str(root)]
     for k in ("table_gb", "hidden", "blocks", "vocab", "train_tokens"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not lines:
-        raise SystemExit(f"training arm failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
+    try:
+        return run_child(cmd, "the training arm", args.arm_timeout)
+    except ArmFailed as e:
+        raise SystemExit(str(e)) from e
 
 
 if __name__ == "__main__":

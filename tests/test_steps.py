@@ -154,6 +154,17 @@ def _one_layer_table(tmp_path: Path, rng: np.random.Generator) -> tuple[Any, int
     return h, lay, big
 
 
+def _decode_steps(table: Any, h: Any, lay: int, big: np.ndarray, tokens: np.ndarray) -> None:
+    """A prefetching decoder over ``table`` pushes ``tokens`` one by one; every fill equals
+    the rows of ``big`` its push named."""
+    dec = Decoder(table, h, layer=lay, prefetch=True)
+    out = np.empty(dec.out_shape, np.uint8)
+    for tok in tokens.tolist():
+        rows = dec.push(tok)
+        dec.fill(out)
+        assert np.array_equal(out, big[rows[0]])
+
+
 def test_a_file_system_without_o_direct_falls_back_to_the_prefetcher(
     tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,12 +184,7 @@ def test_a_file_system_without_o_direct_falls_back_to_the_prefetcher(
     with engramdb.open(tmp_path) as db:
         t = StepTicket(np.array([1], np.int64))
         assert not StepReader().submit([(db["p"], t.ids, t)])
-        dec = Decoder(db["p"], h, layer=lay, prefetch=True)
-        out = np.empty(dec.out_shape, np.uint8)
-        for tok in rng.integers(0, 1000, 20).tolist():
-            rows = dec.push(tok)
-            dec.fill(out)
-            assert np.array_equal(out, big[rows[0]])
+        _decode_steps(db["p"], h, lay, big, rng.integers(0, 1000, 20))
         st = db["p"].stats()
         assert st["step_rows"] == 0 and st["prefetch"]["submitted"] == 20
 
@@ -266,12 +272,7 @@ def test_without_io_uring_the_decoder_uses_the_table_prefetcher(
     assert not StepReader.available()
     h, lay, big = _one_layer_table(tmp_path, rng)
     with engramdb.open(tmp_path, backend="preadv") as db:
-        dec = Decoder(db["p"], h, layer=lay, prefetch=True)
-        out = np.empty(dec.out_shape, np.uint8)
-        for tok in rng.integers(0, 1000, 10).tolist():
-            rows = dec.push(tok)
-            dec.fill(out)
-            assert np.array_equal(out, big[rows[0]])
+        _decode_steps(db["p"], h, lay, big, rng.integers(0, 1000, 10))
         assert db["p"].stats()["step_rows"] == 0
 
 

@@ -36,8 +36,6 @@ MAX_SPANS = 1024
 _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
 
-LIBC.syscall.restype = ctypes.c_long
-
 
 class _Self:
     """A pidfd of this process (reopened after a fork), or None once the call is refused."""

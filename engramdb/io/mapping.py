@@ -37,6 +37,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 #: The process's libc through ctypes (``use_errno=True``; calls release the GIL).
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+LIBC.syscall.restype = ctypes.c_long  # raw system calls return a long (-1: errno)
 _libc = LIBC
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [

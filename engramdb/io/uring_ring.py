@@ -45,8 +45,7 @@ STATX_DIOALIGN = 0x2000
 AT_EMPTY_PATH = 0x1000
 
 _libc = LIBC  # the one libc binding (engramdb.io.mapping)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
+_syscall = _libc.syscall  # its restype (long) is set where the binding is made
 
 _L = ctypes.c_long
 

@@ -50,7 +50,6 @@ from engramdb.read.prefetch import Prefetcher
 from engramdb.table_api import RowTable, TableSchema
 from engramdb.units import parse_size
 from engramdb.validate import (
-    BYTEORDER,
     MAX_ROWS_PER_CALL,
     SmallBounds,
     check_batch,
@@ -78,7 +77,6 @@ WARM_RATE = "2G"
 
 
 _clock = time.perf_counter
-_from_bytes = int.from_bytes
 _I64 = np.dtype(np.int64)
 _U8 = np.dtype(np.uint8)
 
@@ -651,9 +649,7 @@ class LocalTable(RowTable):
             if 0 < n <= _SMALL:
                 # a decode step: the shortest path (no numpy reductions): the ids' bytes
                 # checked as one integer of 64-bit lanes (`SmallBounds`)
-                top, add = self._small_bounds.lanes(n)
-                x = _from_bytes(rowids.tobytes(), BYTEORDER)
-                if x & top or (x + add) & top:
+                if not self._small_bounds.ok(rowids):
                     check_bounds(rowids, self.n_rows)  # raises, naming the id
                 if (rowids.base is not None or out.base is not None) and np.may_share_memory(
                     rowids, out
