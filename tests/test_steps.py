@@ -227,6 +227,81 @@ def test_polling_can_be_turned_off() -> None:
     assert "ENGRAMDB_SQPOLL=0" in out.stdout
 
 
+def _sqpoll_in_child(setting: str | None, cpus: int) -> str:
+    """``sqpoll_state`` and a polled ring's mode in a child allowed on ``cpus`` CPUs, with
+    ``ENGRAMDB_SQPOLL`` set to ``setting`` (None: unset)."""
+    code = (
+        "import os\n"
+        f"os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:{cpus}]))\n"
+        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
+        "on, why = sqpoll_state(); print(on, polled_ring(8).sqpoll, '|', why)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ENGRAMDB_SQPOLL"}
+    if setting is not None:
+        env["ENGRAMDB_SQPOLL"] = setting
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _refused(why: str) -> bool:
+    """A kernel or sandbox without SQPOLL, or not x86-64: no polling whatever the setting."""
+    return "refused" in why or "x86-64" in why
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_two_cpus_get_no_polling_thread_unless_asked() -> None:
+    from engramdb.io.sqpoll import MIN_CPUS
+
+    assert MIN_CPUS > 2
+    default = _sqpoll_in_child(None, 2)
+    assert default.split()[:2] == ["False", "False"]
+    assert "2 CPUs" in default and "ENGRAMDB_SQPOLL=1" in default
+    forced = _sqpoll_in_child("1", 2)
+    assert forced.split()[:2] == ["True", "True"] or _refused(forced), forced
+    assert _sqpoll_in_child("1", 1).split()[:2] == ["False", "False"]  # never the only CPU
+
+
+def test_rows_through_the_polling_thread_equal_the_source(tmp_path: Path) -> None:
+    """The polled ring's path (entries written, the tail moved, the thread woken), forced on
+    in a child process (this machine may have too few CPUs for it by default)."""
+    code = f"""
+import numpy as np, engramdb
+from engramdb.decode import Decoder
+from engramdb.io.sqpoll import sqpoll_state
+from engramdb import keygen
+from engramdb.testing.pages import evict
+h = keygen.preset("qwen3.8-flash-next", ngram_vocab_size_base=2_000)
+lay = int(h.layers[0])
+n = int(h.table_rows(lay))
+rng = np.random.default_rng(5)
+full = rng.integers(0, 256, (n, 160), dtype=np.uint8)
+engramdb.build({str(tmp_path)!r}, "t", 160, [full], rows_per_badge=128)
+with engramdb.open({str(tmp_path)!r}) as db:
+    st = db["t"]
+    evict({str(tmp_path)!r} + "/" + st.info.shards[0].path)
+    dec = Decoder(st, h, layer=lay, batch=4, prefetch=True)
+    out = np.empty(dec.out_shape, np.uint8)
+    for tok in rng.integers(0, 1000, (12, 4)):
+        rows = dec.push(tok)
+        dec.fill(out)
+        assert np.array_equal(out, full[rows[0]])
+    on, why = sqpoll_state()
+    print(on, st.counters()["step_rows"], "|", why)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, ENGRAMDB_SQPOLL="1"),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    polled, step_rows, _, *why = out.stdout.split()
+    assert int(step_rows) == 12 * 4 * 16  # every row came through the step reader
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert polled == "True" or _refused(" ".join(why)), out.stdout
+
+
 def test_willneed_rows_starts_the_reads_of_exactly_those_pages(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:

@@ -13,9 +13,14 @@ loop's thread cost 150 us a step (0.954x the loop over RAM); through the polling
 25 us (1.000x). 256 reads in an 8.7 ms step: 440 us (0.887x) against 37 us (0.992x).
 
 The price is a core: the thread spins while submissions keep coming (a decode loop) and for
-`IDLE_MS` after. ``ENGRAMDB_SQPOLL=0`` turns it off (readers then submit with
-``io_uring_enter`` from their own thread), as do a process allowed on one CPU only and a
-kernel or sandbox that refuses it.
+`IDLE_MS` after. So it is used only where the process may run on at least `MIN_CPUS` CPUs.
+On a 2-core host the spinning thread took the core the table's background warm and the
+kernel's I/O work needed, and the model's thread stalled for tens of ms outside its lookup
+(5.1 GB cold decode at 6-8 ms steps: p99 33-46 ms with the poller, 9.5-29 ms without,
+tokens/s equal within the noise; ``docs/probes.md``, 12th stop). ``ENGRAMDB_SQPOLL=0`` turns
+it off everywhere (readers then submit with ``io_uring_enter`` from their own thread),
+``ENGRAMDB_SQPOLL=1`` uses it from two CPUs up; a process allowed on one CPU and a kernel or
+sandbox that refuses it get none.
 Only on x86-64, whose ordering of plain stores the kernel thread relies on here (Python has
 no release store; other architectures submit with ``io_uring_enter``).
 """
@@ -34,10 +39,13 @@ from engramdb.io.uring_ring import (
     enter,
 )
 
-__all__ = ["IDLE_MS", "SQPOLL_ENV", "polled_ring", "sqpoll_state", "submit_pushed"]
+__all__ = ["IDLE_MS", "MIN_CPUS", "SQPOLL_ENV", "polled_ring", "sqpoll_state", "submit_pushed"]
 
-#: Set to ``0`` to submit with ``io_uring_enter`` from the reader's thread instead.
+#: ``0``: submit with ``io_uring_enter`` from the reader's thread; ``1``: use the polling
+#: thread from two CPUs up; unset: from `MIN_CPUS` up.
 SQPOLL_ENV = "ENGRAMDB_SQPOLL"
+#: CPUs the process must be allowed on before it spends one on a polling thread by default.
+MIN_CPUS = 4
 #: The polling thread sleeps after this many milliseconds without a submission.
 IDLE_MS = 50
 
@@ -53,12 +61,19 @@ def _anchor_ring() -> Ring | None:
     with _lock:
         if _anchor["pid"] != pid:  # first use, or a child after fork: the parent's is not ours
             _anchor.update(pid=pid, ring=None, why="")
-            if os.environ.get(SQPOLL_ENV, "1").strip() == "0":
+            setting = os.environ.get(SQPOLL_ENV, "").strip()
+            n_cpus = len(os.sched_getaffinity(0))
+            if setting == "0":
                 _anchor["why"] = f"turned off by {SQPOLL_ENV}=0"
             elif platform.machine().lower() not in ("x86_64", "amd64"):
                 _anchor["why"] = f"not on {platform.machine()} (x86-64 only)"
-            elif len(os.sched_getaffinity(0)) < 2:
+            elif n_cpus < 2:
                 _anchor["why"] = "one CPU: a polling thread would take it from the engine"
+            elif n_cpus < MIN_CPUS and setting != "1":
+                _anchor["why"] = (
+                    f"{n_cpus} CPUs: a spinning polling thread would take one from the engine "
+                    f"and the table's warm ({SQPOLL_ENV}=1 uses it anyway)"
+                )
             else:
                 cpus = sorted(os.sched_getaffinity(0))
                 try:  # the last CPU this process may use: off the engine's, where possible
