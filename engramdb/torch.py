@@ -230,9 +230,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._offsets_np = store.head_offsets.copy()
         self._heads_u64 = np.asarray(store.heads, dtype=np.uint64)
         self._min_head = int(self._heads_u64.min()) if self._heads_u64.size else 0
-        self._head_bounds = (
-            SmallBounds(self._heads_u64.astype(np.int64)) if self._heads_u64.size else None
-        )
+        self._head_bounds = SmallBounds(store.heads) if self._heads_u64.size else None
         self._n_heads = store.n_heads
         self._rb = self.codec.row_bytes
         # The trusted small gather of a local table (duck-typed: any table offering it).

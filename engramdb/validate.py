@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -116,8 +116,8 @@ class SmallBounds:
             adds = np.tile((1 << 63) - self.bounds.astype(np.uint64), count // per)
             tops = np.full(count, 1 << 63, np.uint64)
             got = (
-                int.from_bytes(tops.tobytes(), BYTEORDER),
-                int.from_bytes(adds.tobytes(), BYTEORDER),
+                int.from_bytes(tops.tobytes(), sys.byteorder),
+                int.from_bytes(adds.tobytes(), sys.byteorder),
             )
             self._lanes[count] = got
         return got
@@ -125,12 +125,8 @@ class SmallBounds:
     def ok(self, ids: np.ndarray) -> bool:
         """Whether every id of int64 ``ids`` is in ``[0, its bound)``."""
         top, add = self._lanes.get(ids.size) or self.lanes(ids.size)
-        x = int.from_bytes(ids.tobytes(), BYTEORDER)
+        x = int.from_bytes(ids.tobytes(), sys.byteorder)
         return not (x & top or (x + add) & top)
-
-
-#: This machine's byte order, as ``int.from_bytes`` names it (`SmallBounds`).
-BYTEORDER: Literal["little", "big"] = "little" if sys.byteorder == "little" else "big"
 
 
 def check_bounds(

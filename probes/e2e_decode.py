@@ -476,18 +476,20 @@ def child(args: argparse.Namespace) -> None:
                 step_s[s] = time.perf_counter() - t0
                 lookup_s[s] = Clock.total
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        med = float(np.median(step_s))
+        slow = step_s > 1.3 * med
         return {
             "tokens": toks,
             "prefill_ms": prefill * 1e3,
             "prefill_lookup_ms": prefill_lookup * 1e3,
             "decode_s": float(step_s.sum()),
-            "step_p50_ms": float(np.percentile(step_s, 50) * 1e3),
+            "step_p50_ms": med * 1e3,
             "step_p99_ms": float(np.percentile(step_s, 99) * 1e3),
             # where the time above the median step went: steps over 1.3x the median, and
             # all steps' excess over it (a stall outside the lookup shows here, not there)
-            "slow_steps": int((step_s > 1.3 * np.median(step_s)).sum()),
-            "excess_ms": float(np.maximum(step_s - np.median(step_s), 0).sum() * 1e3),
-            "slow_lookup_ms": float(lookup_s[step_s > 1.3 * np.median(step_s)].sum() * 1e3),
+            "slow_steps": int(slow.sum()),
+            "excess_ms": float(np.maximum(step_s - med, 0).sum() * 1e3),
+            "slow_lookup_ms": float(lookup_s[slow].sum() * 1e3),
             "lookup_ms": float(lookup_s.mean() * 1e3),
             "lookup_parts_us": {k: v / steps * 1e6 for k, v in Clock.parts.items()},
             "minflt": (ru1.ru_minflt - ru0.ru_minflt) / steps,

@@ -216,24 +216,19 @@ def test_the_decoder_reads_cold_steps_through_the_step_reader(
 
 
 def test_polling_can_be_turned_off() -> None:
-    code = (
-        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
-        "on, why = sqpoll_state(); r = polled_ring(8)\n"
-        "print(on, r.sqpoll, why)\n"
-    )
-    env = dict(os.environ, ENGRAMDB_SQPOLL="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split()[:2] == ["False", "False"], out.stderr
-    assert "ENGRAMDB_SQPOLL=0" in out.stdout
+    out = _sqpoll_in_child("0")
+    assert out.split()[:2] == ["False", "False"]
+    assert "ENGRAMDB_SQPOLL=0" in out
 
 
-def _sqpoll_in_child(setting: str | None, cpus: int) -> str:
-    """``sqpoll_state`` and a polled ring's mode in a child allowed on ``cpus`` CPUs, with
-    ``ENGRAMDB_SQPOLL`` set to ``setting`` (None: unset)."""
+def _sqpoll_in_child(setting: str | None, cpus: int | None = None) -> str:
+    """``sqpoll_state`` and a polled ring's mode in a child allowed on ``cpus`` CPUs (None:
+    all of this process's), with ``ENGRAMDB_SQPOLL`` set to ``setting`` (None: unset)."""
+    pin = f"os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:{cpus}]))\n"
     code = (
         "import os\n"
-        f"os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:{cpus}]))\n"
-        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
+        + (pin if cpus else "")
+        + "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
         "on, why = sqpoll_state(); print(on, polled_ring(8).sqpoll, '|', why)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "ENGRAMDB_SQPOLL"}
@@ -352,12 +347,6 @@ def test_without_io_uring_the_decoder_uses_the_table_prefetcher(
 
 
 def test_a_process_on_one_cpu_gets_no_polling_thread() -> None:
-    code = (
-        "import os\n"
-        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-        "from engramdb.io.sqpoll import sqpoll_state, polled_ring\n"
-        "on, why = sqpoll_state(); print(on, polled_ring(8).sqpoll, '|', why)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.split()[:2] == ["False", "False"], out.stderr
-    assert "one CPU" in out.stdout
+    out = _sqpoll_in_child(None, 1)
+    assert out.split()[:2] == ["False", "False"]
+    assert "one CPU" in out

@@ -62,7 +62,8 @@ def _anchor_ring() -> Ring | None:
         if _anchor["pid"] != pid:  # first use, or a child after fork: the parent's is not ours
             _anchor.update(pid=pid, ring=None, why="")
             setting = os.environ.get(SQPOLL_ENV, "").strip()
-            n_cpus = len(os.sched_getaffinity(0))
+            cpus = sorted(os.sched_getaffinity(0))
+            n_cpus = len(cpus)
             if setting == "0":
                 _anchor["why"] = f"turned off by {SQPOLL_ENV}=0"
             elif platform.machine().lower() not in ("x86_64", "amd64"):
@@ -75,7 +76,6 @@ def _anchor_ring() -> Ring | None:
                     f"and the table's warm ({SQPOLL_ENV}=1 uses it anyway)"
                 )
             else:
-                cpus = sorted(os.sched_getaffinity(0))
                 try:  # the last CPU this process may use: off the engine's, where possible
                     _anchor["ring"] = Ring(2, sqpoll_idle_ms=IDLE_MS, sqpoll_cpu=cpus[-1])
                 except OSError:
