@@ -8,7 +8,9 @@ once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
 
 * Warm gathers: a table that is one run of one column — a single tensor — *is* a
   ``[n_rows, row_bytes]`` array, gathered exactly like a built table. Rows of several
-  columns are gathered in chunks of `CHUNK_ROWS` ids (a loop over chunks, never over rows):
+  columns that are each one array (V4.1's weight and scale tensors) go through the compiled
+  one-pass gather (`engramdb.io.columns.take_columns`) where it is built; otherwise they are
+  gathered in chunks of `CHUNK_ROWS` ids (a loop over chunks, never over rows):
   per chunk one ``np.take`` per column into a reused per-thread buffer that stays in L2,
   copied into the column's strided slice of the output (as uint64 words where aligned).
   A column of many runs groups a chunk's ids by run with one sort (a loop over runs).
@@ -39,6 +41,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engramdb.errors import StoreClosed, TruncatedFile
+from engramdb.io.columns import take_columns
 from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, run_split
 from engramdb.io.mapping import (
     MADV_RANDOM,
@@ -130,10 +133,14 @@ class _Column:
             return [int(self.file[0])]
         return np.unique(self.file[run]).tolist()  # type: ignore[no-any-return]
 
+    def source(self) -> np.ndarray:
+        """The ``[n_rows, width]`` array of a one-run column: its RAM copy once resident."""
+        return self.resident if self.resident is not None else self.arrays[0]
+
     def take(self, flat: np.ndarray, out: np.ndarray, run: np.ndarray | None) -> None:
         """``out[i] = row flat[i]`` of this column (``out`` contiguous ``[n, width]``);
         ``run`` from `runs_of`."""
-        src = self.resident if self.resident is not None else self.arrays[0]
+        src = self.source()
         if run is None:
             np.take(src, flat, axis=0, out=out, mode="clip")
             return
@@ -398,6 +405,10 @@ class SourceSegments:
         lo: int,
         hi: int,
     ) -> None:
+        if all(r is None for r in runs) and take_columns(
+            [(c.source(), c.width) for c in self.columns], flat[lo:hi], out2d[lo:hi]
+        ):
+            return  # every column one array: the compiled one-pass gather
         # Each column of ``out2d`` as a 1-D strided array of ``V{width}`` items: a copy into
         # it is one memcpy per row (faster than a 2-D uint8 or uint64 copy).
         fields = out2d.reshape(-1).view(self._row_dtype)
@@ -462,6 +473,16 @@ class SourceSegments:
             return None
         one = self.columns[0]
         return int(one.file[0]), int(one.offset[0])
+
+    def sample_layout(self) -> tuple[int, int] | None:
+        """``(address of row 0, width)`` of the widest column when it is one run: row ``r``'s
+        bytes of it start at ``address + r * width``, so the read rule's residency sample
+        needs no lookup (the narrow columns are resident, or small beside it). None
+        otherwise."""
+        widest = max(self.columns, key=lambda c: c.width)
+        if len(widest.arrays) != 1 or self.n_rows == 0:
+            return None
+        return int(widest.arrays[0].ctypes.data), widest.width
 
     def plan(self, flat: np.ndarray) -> ReadPlan:
         """Syscall reads for validated ids: per distinct id one read per column not resident

@@ -233,6 +233,14 @@ class LocalTable(RowTable):
         self._fast_base = (
             self._base if seg0 is None else (int(one0.ctypes.data) if one0 is not None else 0)
         )
+        #: ``(address of row 0, stride)`` of the pages the read rule's mapped-state check
+        #: samples without locating ids: the table's rows, or an attached table's widest
+        #: column when it is one run (None: the rule locates a sample instead).
+        self._sample_at: tuple[int, int] | None = (
+            (self._fast_base, self.row_bytes)
+            if self._fast_base
+            else (seg0.sample_layout() if seg0 is not None else None)
+        )
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
         if ram_budget is not None:
@@ -380,16 +388,17 @@ class LocalTable(RowTable):
         n = flat.size
         a = self._auto
         if (
-            seg is None
-            and chosen is None
+            chosen is None
             and a is not None
             and a.mapped_ok
             and n >= self._unsampled_rows
+            and (at := self._sample_at) is not None
         ):
             # The rule's mapped-state check, without locating ids: rows sit at
-            # ``row * row_bytes`` in the back-to-back mapping, so 1 + n // 65536 evenly
-            # spread ids give their page addresses directly (one mincore each, ~2 us).
-            if self._sampled_resident(flat, min(a.samples, 1 + n // 65536)):
+            # ``row * stride`` from one address (the back-to-back mapping, or an attached
+            # table's widest column), so 1 + n // 65536 evenly spread ids give their page
+            # addresses directly (one mincore each, ~2 us).
+            if self._sampled_resident(flat, min(a.samples, 1 + n // 65536), at):
                 a.count_mapped()
                 self._take_mapped(table, flat, out2d, serial=serial, chosen=a.mapped)
                 return
@@ -557,11 +566,12 @@ class LocalTable(RowTable):
         except OSError:  # the mapping is gone
             return False
 
-    def _sampled_resident(self, ids: np.ndarray, k: int) -> bool:
+    def _sampled_resident(self, ids: np.ndarray, k: int, at: tuple[int, int] | None = None) -> bool:
         """Whether ``k`` evenly strided ids of 1-D ``ids`` sit on resident pages of the
-        mapped array: rows sit at ``row * row_bytes`` from `_fast_base`, so no id is located
-        (one ``mincore`` each, ~2 us)."""
-        base, rb = self._fast_base, self.row_bytes
+        mapped array: rows sit at ``row * row_bytes`` from `_fast_base` (or ``row * stride``
+        from ``address`` for ``at=(address, stride)``), so no id is located (one
+        ``mincore`` each, ~2 us)."""
+        base, rb = (self._fast_base, self.row_bytes) if at is None else at
         addrs = [base + r * rb for r in ids[:: max(1, ids.shape[0] // k)][:k].tolist()]
         return bool(resident_count(addrs) == k)
 

@@ -1,0 +1,118 @@
+"""The compiled one-pass gather of rows assembled from several columns
+(``engramdb.io.columns``, ``_columns.c``) and attached column-split reads with and without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_attach import V41_S, V41_W, files, v41_checkpoint
+
+import engramdb
+from engramdb.errors import RowIdOutOfRange
+from engramdb.io import columns
+
+native = pytest.mark.skipif(columns._native is None, reason="compiled gather not built")
+
+
+def concat(cols: list[np.ndarray], ids: np.ndarray) -> np.ndarray:
+    return np.concatenate([c[ids] for c in cols], axis=1)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_install_builds_the_compiled_gather() -> None:
+    # the default install (pip install -e .) compiles it where a C compiler is present
+    assert columns._native is not None
+    assert columns.native_enabled()
+
+
+@native
+@pytest.mark.parametrize("widths", [(256, 8), (7, 1, 64), (160,), (3, 5, 200, 8)])
+def test_rows_equal_the_concatenated_columns(
+    widths: tuple[int, ...], rng: np.random.Generator
+) -> None:
+    n = 5000
+    cols = [rng.integers(0, 256, (n, w), dtype=np.uint8) for w in widths]
+    for size in (0, 1, 11, 12, 13, 4097):
+        ids = rng.integers(0, n, size)
+        buf = np.full(size * sum(widths) + 1, 0xAB, np.uint8)
+        out = buf[1:].reshape(size, sum(widths))  # not aligned: still exact
+        assert columns.take_columns([(c, c.shape[1]) for c in cols], ids, out)
+        assert np.array_equal(out, concat(cols, ids)), (widths, size)
+        assert buf[0] == 0xAB  # nothing written before the output
+
+
+@native
+def test_an_id_out_of_range_raises_naming_it(rng: np.random.Generator) -> None:
+    w, s = np.zeros((100, 256), np.uint8), np.zeros((90, 8), np.uint8)  # s shorter
+    ids = np.array([1, 2, 95, 3], np.int64)
+    out = np.empty((4, 264), np.uint8)
+    with pytest.raises(RowIdOutOfRange, match="95"):
+        columns.take_columns([(w, 256), (s, 8)], ids, out)
+    with pytest.raises(RowIdOutOfRange, match="-1"):
+        columns.take_columns([(w, 256), (s, 8)], np.array([-1], np.int64), out[:1])
+
+
+@native
+def test_sizes_that_do_not_fit_are_refused() -> None:
+    w = np.zeros((10, 256), np.uint8)
+    ids = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="out holds"):
+        columns.take_columns([(w, 256)], ids, np.empty((3, 256), np.uint8))
+    with pytest.raises(ValueError, match="does not tile"):
+        columns.take_columns([(w, 100)], ids, np.empty((4, 100), np.uint8))
+    with pytest.raises(ValueError, match="columns"):
+        columns._native.take(np.empty(0, np.uint8), ids[:0], [])  # type: ignore[union-attr]
+
+
+def test_arrays_it_cannot_take_leave_the_output_alone(rng: np.random.Generator) -> None:
+    w = rng.integers(0, 256, (50, 16), dtype=np.uint8)
+    out = np.zeros((4, 16), np.uint8)
+    ids = np.arange(4, dtype=np.int64)
+    assert not columns.take_columns([(w[:, ::2], 8), (w[:, 1::2], 8)], ids, out)
+    assert not columns.take_columns([(w, 16)], ids.astype(np.int32), out)
+    assert not columns.take_columns([(w, 16)], ids, np.zeros((4, 32), np.uint8)[:, ::2])
+    assert not out.any()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_attached_column_split_rows_with_and_without_it(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    if compiled and columns._native is None:
+        pytest.skip("compiled gather not built")
+    monkeypatch.setattr(columns, "_enabled", compiled)
+    ran = []
+    real = columns.take_columns
+
+    def spy(*a: object) -> bool:
+        ran.append(real(*a))  # type: ignore[arg-type]
+        return ran[-1]
+
+    monkeypatch.setattr("engramdb.read.attached.take_columns", spy)
+    want = v41_checkpoint(tmp_path / "ckpt", rng, rows=6000)[1]
+    db = tmp_path / "db"
+    engramdb.attach(
+        db, "t", files(tmp_path / "ckpt"), tensor=V41_W.format(1), scale_tensor=V41_S.format(1)
+    )
+    with engramdb.open(db, backend="mmap") as d:
+        st = d["t"]
+        for resident in (False, True):
+            if resident:
+                assert st._segments.wait_resident(30)
+            for size in (1, 16, 2049, 5000):
+                ids = rng.integers(0, 6000, size)
+                assert np.array_equal(st.fetch(ids), want[ids]), (resident, size)
+    assert ran and all(r is compiled for r in ran)
+
+
+def test_turned_off_by_environment() -> None:
+    code = "from engramdb.io import columns; print(columns.native_enabled())"
+    env = {**os.environ, columns.NATIVE_ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
