@@ -338,6 +338,8 @@ def ram_table(root: Path, lay: int, h: Any) -> Any:
 
 
 def child(args: argparse.Namespace) -> None:
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     import torch
 
     torch.set_num_threads(1)
@@ -713,6 +715,8 @@ def spawn(
         cmd += [f"--{k.replace('_', '-')}", str(size.get(k, getattr(args, k)))]
     if args.no_background_warm:
         cmd.append("--no-background-warm")
+    if args.switch_interval_ms is not None:
+        cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
     if paired:
         cmd.append("--paired")
     return run_child(cmd, f"arm {arm} B={b}", args.arm_timeout)
@@ -880,6 +884,12 @@ def main() -> None:
         action="store_true",
         help="also decode with the in-RAM tables inside each arm's process, alternating blocks "
         "of 8 steps with the arm (drift cancels), and report that ratio per arm",
+    )
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in each arm's process (default: Python's 5 ms)",
     )
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the tables")
