@@ -350,3 +350,79 @@ def test_a_process_on_one_cpu_gets_no_polling_thread() -> None:
     out = _sqpoll_in_child(None, 1)
     assert out.split()[:2] == ["False", "False"]
     assert "one CPU" in out
+
+
+def _evicted_table(tmp_path: Path, rng: np.random.Generator) -> tuple[Any, Any, np.ndarray]:
+    full = rng.integers(0, 256, (4000, 264), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 264, [full])
+    db = engramdb.open(tmp_path)
+    st = db["t"]
+    for sh in st.info.shards:
+        evict(tmp_path / sh.path)
+    return db, st, full
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_rows_through_the_submitter_thread_equal_the_source(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    from engramdb.io import sqpoll
+
+    if not sqpoll.submitter_state()[0] or sqpoll.sqpoll_state()[0]:
+        pytest.skip(f"no submitter here: {sqpoll.submitter_state()[1] or 'polling thread'}")
+    db, st, full = _evicted_table(tmp_path, rng)
+    reader = StepReader()
+    for _ in range(4):
+        ids = _edges(st.n_rows, rng, 200)
+        (rows,) = _read(reader, [(st, ids)])
+        assert np.array_equal(rows, full[ids])
+    ring = reader._ring
+    assert ring is not None and ring.wake is not None  # the submitter took the entries
+    sub = ring.wake.__self__  # type: ignore[attr-defined]
+    assert isinstance(sub, sqpoll.Submitter) and sub._thread.is_alive()
+    assert sub._thread.name == "engramdb-submitter"
+    reader.close()
+    assert not sub._thread.is_alive() and sub.result == 0  # the ring's close stopped it
+    db.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_entries_the_submitter_never_takes_are_submitted_by_the_wait(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    from engramdb.io import sqpoll
+
+    if not sqpoll.submitter_state()[0] or sqpoll.sqpoll_state()[0]:
+        pytest.skip("no submitter here")
+    db, st, full = _evicted_table(tmp_path, rng)
+    reader = StepReader()
+    (rows,) = _read(reader, [(st, _edges(st.n_rows, rng))])  # the ring exists now
+    ring = reader._ring
+    assert ring is not None and ring.wake is not None
+    sub = ring.wake.__self__  # type: ignore[attr-defined]
+    assert isinstance(sub, sqpoll.Submitter)
+    ring.wake = lambda n: True  # says it took them, never submits: the wait must
+    for _ in range(3):
+        ids = _edges(st.n_rows, rng, 100)
+        (rows,) = _read(reader, [(st, ids)])
+        assert np.array_equal(rows, full[ids])
+    sub.stop()  # a stopped submitter: wake() is False, the reader enters the ring itself
+    assert sub.result == 0 and not sub.wake(1)
+    ring.wake = sub.wake
+    ids = _edges(st.n_rows, rng, 100)
+    (rows,) = _read(reader, [(st, ids)])
+    assert np.array_equal(rows, full[ids])
+    reader.close()
+    db.close()
+
+
+def test_the_submitter_can_be_turned_off() -> None:
+    code = (
+        "from engramdb.io.sqpoll import submitter_state, polled_ring\n"
+        "on, why = submitter_state(); print(on, polled_ring(8).wake is None, '|', why)\n"
+    )
+    env = {**os.environ, "ENGRAMDB_SUBMITTER": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["False", "True"]
+    assert "ENGRAMDB_SUBMITTER=0" in out.stdout

@@ -23,6 +23,20 @@ it off everywhere (readers then submit with ``io_uring_enter`` from their own th
 sandbox that refuses it get none.
 Only on x86-64, whose ordering of plain stores the kernel thread relies on here (Python has
 no release store; other architectures submit with ``io_uring_enter``).
+
+**Without the polling thread, a submitter that sleeps** (`Submitter`, the compiled
+``_submitter.c`` where it is built). A ring from `polled_ring` gets one thread of its own
+that runs a C loop without the GIL. The loop sleeps in ``read`` on an eventfd, and
+`submit_pushed` writes the count of entries just pushed there (one ``eventfd_write``,
+~2 us) instead of entering the ring. The thread then calls ``io_uring_enter`` on another
+core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8 step's 256
+reads) leaves the engine's thread. The thread does not spin, and it needs no GIL, so it
+hands nothing back to the engine.
+
+Nothing waits on that thread: a reader's wait for completions submits whatever is still
+pending itself (``io_uring_enter`` with ``to_submit``; the kernel serializes the two), so
+a slow, failed or stopped submitter costs time, never a hang. It is used from two CPUs up;
+``ENGRAMDB_SUBMITTER=0`` turns it off, and readers then enter the ring themselves.
 """
 
 from __future__ import annotations
@@ -39,11 +53,28 @@ from engramdb.io.uring_ring import (
     enter,
 )
 
-__all__ = ["IDLE_MS", "MIN_CPUS", "SQPOLL_ENV", "polled_ring", "sqpoll_state", "submit_pushed"]
+try:
+    from engramdb.io import _submitter as _native_submitter
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native_submitter = None  # type: ignore[assignment]
+
+__all__ = [
+    "IDLE_MS",
+    "MIN_CPUS",
+    "SQPOLL_ENV",
+    "SUBMITTER_ENV",
+    "Submitter",
+    "polled_ring",
+    "sqpoll_state",
+    "submit_pushed",
+    "submitter_state",
+]
 
 #: ``0``: submit with ``io_uring_enter`` from the reader's thread; ``1``: use the polling
 #: thread from two CPUs up; unset: from `MIN_CPUS` up.
 SQPOLL_ENV = "ENGRAMDB_SQPOLL"
+#: ``0``: no submitter thread (`Submitter`): readers without the polling thread enter the ring.
+SUBMITTER_ENV = "ENGRAMDB_SUBMITTER"
 #: CPUs the process must be allowed on before it spends one on a polling thread by default.
 MIN_CPUS = 4
 #: The polling thread sleeps after this many milliseconds without a submission.
@@ -93,9 +124,61 @@ def sqpoll_state() -> tuple[bool, str]:
     return ring is not None, str(_anchor["why"])
 
 
+def submitter_state() -> tuple[bool, str]:
+    """``(used, why not)``: whether rings without the polling thread get a `Submitter`."""
+    if os.environ.get(SUBMITTER_ENV, "").strip() == "0":
+        return False, f"turned off by {SUBMITTER_ENV}=0"
+    if _native_submitter is None:
+        return False, "engramdb.io._submitter is not built (no C compiler at install)"
+    if len(os.sched_getaffinity(0)) < 2:
+        return False, "one CPU: the submission work would stay on the engine's CPU"
+    return True, ""
+
+
+class Submitter:
+    """A thread that submits one ring's pushed entries (see the module docstring). `wake`
+    hands it a count; `stop` ends it (idempotent; the ring's `close` calls it first)."""
+
+    def __init__(self, ring: Ring) -> None:
+        assert _native_submitter is not None
+        self._efd = os.eventfd(0, os.EFD_CLOEXEC)
+        self._pid = os.getpid()  # a forked child has the ring but not the thread
+        #: The C loop's result once it ended (0 after `stop`, -errno after a failure).
+        self.result: int | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(ring.fd,), name="engramdb-submitter", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, ring_fd: int) -> None:
+        assert _native_submitter is not None
+        try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # pragma: no cover - refused: normal priority
+            pass
+        self.result = _native_submitter.run(ring_fd, self._efd)
+
+    def wake(self, count: int) -> bool:
+        """Hand over ``count`` entries just pushed; False when the thread has ended."""
+        if self.result is not None or self._efd < 0 or os.getpid() != self._pid:
+            return False
+        os.eventfd_write(self._efd, count)
+        return True
+
+    def stop(self) -> None:
+        if self._efd < 0 or os.getpid() != self._pid:
+            return
+        assert _native_submitter is not None
+        os.eventfd_write(self._efd, _native_submitter.STOP)
+        self._thread.join()
+        os.close(self._efd)
+        self._efd = -1
+
+
 def polled_ring(entries: int) -> Ring:
-    """A ring of ``entries`` whose submissions the shared polling thread picks up, or a
-    plain ring where polling is off or refused. Raises `OSError` where io_uring is."""
+    """A ring of ``entries`` whose submissions the shared polling thread picks up; where
+    polling is off or refused, a plain ring with its own `Submitter` (where
+    `submitter_state` allows), else a plain ring. Raises `OSError` where io_uring is."""
     anchor = _anchor_ring()
     if anchor is not None:
         try:
@@ -103,13 +186,22 @@ def polled_ring(entries: int) -> Ring:
         except OSError as e:
             if e.errno not in (_errno.EINVAL, _errno.EPERM, _errno.EOPNOTSUPP):
                 raise
-    return Ring(entries)
+    ring = Ring(entries)
+    if submitter_state()[0]:
+        sub = Submitter(ring)
+        ring.wake = sub.wake
+        ring.closers.append(sub.stop)
+    return ring
 
 
 def submit_pushed(ring: Ring, count: int) -> int:
     """Hand the ``count`` entries just pushed (`Ring.push`) to the kernel: the polling
     thread picks them up (woken if it sleeps), or one ``io_uring_enter`` submits them.
-    Returns 0, or ``-errno`` of a failed ``io_uring_enter``."""
+    Returns 0, or ``-errno`` of a failed ``io_uring_enter``. A ring with a `Submitter`
+    hands the entries to it (its reader's wait submits any it has not)."""
+    wake = ring.wake
+    if wake is not None and wake(count):
+        return 0
     if ring.sqpoll:
         with _fence:  # the tail store reaches memory before the flag is read
             pass

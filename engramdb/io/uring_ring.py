@@ -12,6 +12,7 @@ import os
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,6 +209,11 @@ class Ring:
         except BaseException:
             self.close()
             raise
+        #: Hands entries just pushed to a thread that submits them (`engramdb.io.sqpoll`);
+        #: returns False when it cannot (the caller then submits). None: no such thread.
+        self.wake: Callable[[int], bool] | None = None
+        #: Called first by `close` (a submitter thread's stop).
+        self.closers: list[Callable[[], None]] = []
         self.broken = False
 
     def _map(self, p: Params) -> None:
@@ -294,6 +300,9 @@ class Ring:
         return got
 
     def close(self) -> None:
+        closers, self.closers, self.wake = self.closers, [], None
+        for fn in closers:
+            fn()
         for name in ("sq_head", "sq_tail", "sq_flags", "cq_head", "cq_tail", "cqes", "sqes"):
             self.__dict__.pop(name, None)
         for m in self._maps:

@@ -4,8 +4,9 @@ A `engramdb.decode.Decoder` hashes each step's new tokens as soon as they are sa
 layers that read the tables come later in the step. For the layers whose rows are cold, the
 decoder hands the reader every layer's row ids at once (`StepReader.submit`, at ``push``).
 The reader writes one ``O_DIRECT`` read per row into its ``io_uring`` submission queue and
-returns: the process's polling kernel thread (`engramdb.io.sqpoll`) issues the reads on
-another core. At ``fill``, the layer's `StepTicket` reads the completions from the ring (no
+returns: the process's polling kernel thread (`engramdb.io.sqpoll`), or where there is none
+the ring's sleeping `Submitter` thread (woken with one ``eventfd_write``), issues the reads
+on another core. At ``fill``, the layer's `StepTicket` reads the completions from the ring (no
 system call once they are in; ``io_uring_enter`` waits, the GIL released, for any still in
 flight) and copies the rows out of the reader's staging buffer.
 
@@ -547,9 +548,11 @@ class StepReader:
 
 def _wait(ring: Ring, count: int) -> int:
     """Wait for ``count`` more completions (the GIL released meanwhile), waking a polling
-    thread gone to sleep; ``io_uring_enter``'s result."""
-    flags = IORING_ENTER_GETEVENTS | (IORING_ENTER_SQ_WAKEUP if ring.sqpoll else 0)
-    return enter(ring.fd, 0, count, flags)
+    thread gone to sleep, or submitting the entries a `Submitter` has not yet;
+    ``io_uring_enter``'s result."""
+    if ring.sqpoll:
+        return enter(ring.fd, 0, count, IORING_ENTER_GETEVENTS | IORING_ENTER_SQ_WAKEUP)
+    return enter(ring.fd, ring.unsubmitted(), count, IORING_ENTER_GETEVENTS)
 
 
 def _staged(ring: Ring, plan: Plan) -> np.ndarray:

@@ -1,0 +1,3 @@
+STOP: int
+
+def run(ring_fd: int, event_fd: int) -> int: ...
