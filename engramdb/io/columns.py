@@ -6,8 +6,9 @@ the numpy way costs one gather per column plus a strided copy of each: ~0.6-0.75
 gather of whole rows on this VM, mostly the second column's extra random access. The
 compiled loop (``_columns.c``, built at install when a C compiler is there) writes every
 column of a row straight into place and prefetches the source lines a few rows ahead, so
-the two random accesses of a row overlap: ~0.9-0.97x of one whole-row gather. It releases
-the GIL while it copies, like ``np.take``.
+the two random accesses of a row overlap: 0.90-0.95x the built table's warm fetch in
+``probes/attach.py`` (1.01x where the tensor data starts on a cache line; the numpy path
+0.60x). It releases the GIL while it copies, like ``np.take``.
 
 `take_columns` returns False when the loop is not built or is turned off
 (``ENGRAMDB_NATIVE=0``, read once per process); the caller then takes its numpy path.

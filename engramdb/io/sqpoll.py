@@ -26,12 +26,15 @@ no release store; other architectures submit with ``io_uring_enter``).
 
 **Without the polling thread, a submitter that sleeps** (`Submitter`, the compiled
 ``_submitter.c`` where it is built). A ring from `polled_ring` gets one thread of its own
-that runs a C loop without the GIL. The loop sleeps in ``read`` on an eventfd, and
-`submit_pushed` writes the count of entries just pushed there (one ``eventfd_write``,
-~2 us) instead of entering the ring. The thread then calls ``io_uring_enter`` on another
-core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8 step's 256
-reads) leaves the engine's thread. The thread does not spin, and it needs no GIL, so it
-hands nothing back to the engine.
+that runs a C loop without the GIL, at ``SCHED_IDLE``. The loop sleeps in ``read`` on an
+eventfd, and `submit_pushed` writes the count of entries just pushed there (one
+``eventfd_write``) instead of entering the ring. The thread then calls ``io_uring_enter``
+on another core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8
+step's 256 reads) leaves the engine's thread. The thread does not spin and needs no GIL,
+so it hands nothing back to the engine; at ``SCHED_IDLE`` it never preempts the engine's
+thread that woke it (at normal priority it did, on the engine's own core: the
+``eventfd_write`` then took 340 us). Where every CPU is busy at normal priority it waits,
+and the step's reads start when the reader waits for them (below).
 
 Nothing waits on that thread: a reader's wait for completions submits whatever is still
 pending itself (``io_uring_enter`` with ``to_submit``; the kernel serializes the two), so
