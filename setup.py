@@ -8,16 +8,11 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "engramdb.io._columns",
-            ["engramdb/io/_columns.c"],
+            f"engramdb.io.{name}",
+            [f"engramdb/io/{name}.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        ),
-        Extension(
-            "engramdb.io._submitter",
-            ["engramdb/io/_submitter.c"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
+        )
+        for name in ("_columns", "_submitter")
     ]
 )

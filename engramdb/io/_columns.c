@@ -32,9 +32,9 @@ static void release_all(Py_buffer *views, int n) {
  * id out of range of some column (rows before it are written, none after).
  *   out:     writable C-contiguous buffer of len(ids) * row_bytes bytes
  *   ids:     C-contiguous buffer of int64 row ids
- *   columns: sequence of (source, width, start): source a C-contiguous buffer of
- *            rows * width bytes; the column's bytes go to out[i * row_bytes + start ...]
- *   row_bytes is the sum of the widths; columns must tile a row (checked). */
+ *   columns: sequence of (source, width) in row order: source a C-contiguous buffer of
+ *            rows * width bytes; row_bytes is the sum of the widths, and each column's
+ *            bytes follow the previous column's in an output row. */
 static PyObject *take(PyObject *self, PyObject *args) {
     PyObject *out_obj, *ids_obj, *cols_obj;
     if (!PyArg_ParseTuple(args, "OOO", &out_obj, &ids_obj, &cols_obj)) return NULL;
@@ -53,21 +53,20 @@ static PyObject *take(PyObject *self, PyObject *args) {
     for (Py_ssize_t c = 0; c < k; c++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, c);
         PyObject *src;
-        Py_ssize_t width, start;
-        if (!PyArg_ParseTuple(item, "Onn", &src, &width, &start)) goto fail;
+        Py_ssize_t width;
+        if (!PyArg_ParseTuple(item, "On", &src, &width)) goto fail;
         if (PyObject_GetBuffer(src, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
         held++;
-        if (width <= 0 || start != row_bytes || views[held - 1].len % width != 0) {
+        if (width <= 0 || views[held - 1].len % width != 0) {
             PyErr_Format(PyExc_ValueError,
-                         "column %zd: width %zd at %zd does not tile a source of %zd bytes "
-                         "after %zd bytes of row",
-                         c, width, start, views[held - 1].len, row_bytes);
+                         "column %zd: width %zd does not tile a source of %zd bytes", c, width,
+                         views[held - 1].len);
             goto fail;
         }
         cols[c].base = (const uint8_t *)views[held - 1].buf;
         cols[c].width = width;
         cols[c].rows = views[held - 1].len / width;
-        cols[c].start = start;
+        cols[c].start = row_bytes;
         row_bytes += width;
     }
     if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
@@ -123,7 +122,7 @@ fail:
 static PyMethodDef methods[] = {
     {"take", take, METH_VARARGS,
      "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
-     "Rows of int64 ids assembled from (source, width, start) columns into out."},
+     "Rows of int64 ids assembled from (source, width) columns into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -56,15 +56,10 @@ def take_columns(columns: list[tuple[np.ndarray, int]], ids: np.ndarray, out2d: 
         return False
     if not (ids.dtype == np.int64 and ids.flags.c_contiguous and out2d.flags.c_contiguous):
         return False
-    cols = []
-    start = 0
-    for src, width in columns:
-        if not src.flags.c_contiguous:
-            return False
-        cols.append((src, width, start))
-        start += width
+    if not all(src.flags.c_contiguous for src, _ in columns):
+        return False
     assert _native is not None
-    bad = _native.take(out2d, ids, cols)
+    bad = _native.take(out2d, ids, columns)
     if bad >= 0:
         rows = min(src.shape[0] for src, _ in columns)
         raise RowIdOutOfRange(f"row id {int(ids[bad])} out of range [0, {rows})")

@@ -223,12 +223,14 @@ class SourceSegments:
         self._single_file = [int(one.file[0])]
         self.length = sum(self._sizes)
         # Narrow columns worth keeping in RAM: all but the widest, each <= 1/4 of a row.
-        widest = max(range(len(self.columns)), key=lambda i: self.columns[i].width)
+        widest = max(self.columns, key=lambda c: c.width)
         self._narrow = [
             c
-            for i, c in enumerate(self.columns)
-            if i != widest and c.width * 4 <= self.row_bytes and self.n_rows > 0
+            for c in self.columns
+            if c is not widest and c.width * 4 <= self.row_bytes and self.n_rows > 0
         ]
+        #: The widest column when it is one run (one array at one file offset), else None.
+        self._wide_run = widest if len(widest.arrays) == 1 and self.n_rows > 0 else None
         #: ``off`` (nothing to keep), ``idle``, ``loading``, ``ready``, or why not
         #: (``over budget``, ``failed: ...``, ``closed``).
         self.resident_state = "idle" if self._narrow else "off"
@@ -256,8 +258,8 @@ class SourceSegments:
         holding the table's widest column, when that column is one run (a single tensor, or
         V4.1's weight beside a resident scale); None when it is several. The memory policy
         (`engramdb.io.tiers.MappedTiers`) warms and watches this range."""
-        widest = max(self.columns, key=lambda c: c.width)
-        if len(widest.arrays) != 1 or self.n_rows == 0:
+        widest = self._wide_run
+        if widest is None:
             return None
         f = int(widest.file[0])
         lo = int(widest.offset[0]) // PAGE * PAGE
@@ -479,8 +481,8 @@ class SourceSegments:
         bytes of it start at ``address + r * width``, so the read rule's residency sample
         needs no lookup (the narrow columns are resident, or small beside it). None
         otherwise."""
-        widest = max(self.columns, key=lambda c: c.width)
-        if len(widest.arrays) != 1 or self.n_rows == 0:
+        widest = self._wide_run
+        if widest is None:
             return None
         return int(widest.arrays[0].ctypes.data), widest.width
 

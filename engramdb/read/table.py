@@ -392,13 +392,13 @@ class LocalTable(RowTable):
             and a is not None
             and a.mapped_ok
             and n >= self._unsampled_rows
-            and (at := self._sample_at) is not None
+            and self._sample_at is not None
         ):
             # The rule's mapped-state check, without locating ids: rows sit at
             # ``row * stride`` from one address (the back-to-back mapping, or an attached
             # table's widest column), so 1 + n // 65536 evenly spread ids give their page
             # addresses directly (one mincore each, ~2 us).
-            if self._sampled_resident(flat, min(a.samples, 1 + n // 65536), at):
+            if self._sampled_resident(flat, min(a.samples, 1 + n // 65536)):
                 a.count_mapped()
                 self._take_mapped(table, flat, out2d, serial=serial, chosen=a.mapped)
                 return
@@ -566,12 +566,13 @@ class LocalTable(RowTable):
         except OSError:  # the mapping is gone
             return False
 
-    def _sampled_resident(self, ids: np.ndarray, k: int, at: tuple[int, int] | None = None) -> bool:
-        """Whether ``k`` evenly strided ids of 1-D ``ids`` sit on resident pages of the
-        mapped array: rows sit at ``row * row_bytes`` from `_fast_base` (or ``row * stride``
-        from ``address`` for ``at=(address, stride)``), so no id is located (one
-        ``mincore`` each, ~2 us)."""
-        base, rb = (self._fast_base, self.row_bytes) if at is None else at
+    def _sampled_resident(self, ids: np.ndarray, k: int) -> bool:
+        """Whether ``k`` evenly strided ids of 1-D ``ids`` sit on resident pages: rows sit
+        at ``row * stride`` from one address (`_sample_at`: the mapped array, or an attached
+        table's widest column), so no id is located (one ``mincore`` each, ~2 us)."""
+        at = self._sample_at
+        assert at is not None
+        base, rb = at
         addrs = [base + r * rb for r in ids[:: max(1, ids.shape[0] // k)][:k].tolist()]
         return bool(resident_count(addrs) == k)
 
