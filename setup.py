@@ -1,18 +1,19 @@
-"""The compiled parts, both optional (without a C compiler the package installs and runs on
+"""The compiled parts, all optional (without a C compiler the package installs and runs on
 its Python paths): ``engramdb.io._columns``, a gather of rows assembled from several column
-sources (``engramdb.io.columns``), and ``engramdb.io._submitter``, a thread that submits a
-decode step's reads without the GIL (``engramdb.io.sqpoll``)."""
+sources (``engramdb.io.columns``); ``engramdb.io._submitter``, a thread that submits a
+decode step's reads without the GIL (``engramdb.io.sqpoll``); ``engramdb.keygen._native``,
+the row ids of a decode step's few positions in one call (``engramdb.keygen._core``)."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            f"engramdb.io.{name}",
-            [f"engramdb/io/{name}.c"],
+            f"engramdb.{name}",
+            [f"engramdb/{name.replace('.', '/')}.c"],
             extra_compile_args=["-O2"],
             optional=True,
         )
-        for name in ("_columns", "_submitter")
+        for name in ("io._columns", "io._submitter", "keygen._native")
     ]
 )

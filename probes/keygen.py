@@ -1,6 +1,7 @@
 """Probe: keygen throughput and one-token decode latency, against plain numpy in the same run.
 
     python probes/keygen.py [--tokens 1000000] [--reps 5] [--steps 10000] [--index-tokens 10000000]
+                            [--batch 8] [--batch-steps 1500] [--evict-mib 8]
 
 For every preset it builds a 1 M-token corpus (Qwen: EOS every ~1000 tokens), checks that the
 engine's row ids equal a plain, unoptimised numpy implementation of the same rules (and the
@@ -11,6 +12,10 @@ Decode: p50 / p99 microseconds of ``stream.push(token)`` (one token in, its row 
 updated) over ``--steps`` steps after a warm-up, against a plain-numpy step that rehashes the
 last N tokens. The stream's ``fast_steps`` counter and the kernel's position counter prove
 which path served each arm.
+
+Batched decode: p50 of ``stream.push(tokens[B, 1])`` through keygen's compiled loop and
+through the numpy kernel (``engramdb.keygen._core``), interleaved, alone and with memory
+rewritten between steps; the kernel's native-position counter proves which path served.
 
 Index: ``build_index`` of a ``--index-tokens`` Zipf corpus in a child process (its own
 VmHWM). Writes ``probes/out/keygen.json`` beside the human summary.
@@ -253,6 +258,58 @@ def decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, A
     return results
 
 
+def batch_decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, Any]:
+    """A decode step of ``--batch`` sequences (``stream.push(tokens[B, 1])``): the compiled
+    loop against the numpy kernel, interleaved, alone and with ``--evict-mib`` of memory
+    rewritten between steps (the stand-in for a model step that evicts numpy's code and data
+    from the caches; only the push is timed)."""
+    from engramdb.keygen import _core, native
+
+    if not native.native_enabled():
+        echo("  skipped: keygen's compiled loop is not built or ENGRAMDB_NATIVE=0")
+        return {}
+    rng = np.random.default_rng(13)
+    b, steps = args.batch, args.batch_steps
+    junk = np.zeros(args.evict_mib << 20, np.uint8)
+    results: dict[str, Any] = {}
+    for label, preset, layer, kw in CASES[:3]:
+        h = make(preset)
+        toks = np.stack([corpus_for(h, steps, rng) for _ in range(b)])
+        full = h.row_ids(toks, layer=layer, **kw)
+        lat: dict[str, list[float]] = {}
+        for rep in range(4):
+            arms = ("native", "numpy") if rep % 2 == 0 else ("numpy", "native")
+            for evict in (False, True):
+                for arm in arms:
+                    native._enabled = arm == "native"
+                    before = _core.kernel_stats["native_positions"]
+                    s = h.stream(layer=layer, **kw)
+                    ns = []
+                    for i in range(steps):
+                        if evict:
+                            np.add(junk, 1, out=junk)
+                        col = toks[:, i : i + 1]
+                        t0 = time.perf_counter_ns()
+                        row = s.push(col)
+                        ns.append(time.perf_counter_ns() - t0)
+                        if i % 97 == 0:
+                            assert np.array_equal(row, full[:, i : i + 1]), f"{label} step {i}"
+                    served = _core.kernel_stats["native_positions"] - before
+                    assert served == (steps * b if arm == "native" else 0), (arm, served)
+                    key = f"{arm}{'_evict' if evict else ''}"
+                    lat.setdefault(key, []).extend(ns[50:])
+        native._enabled = None
+        p = {k: float(np.percentile(v, 50)) / 1e3 for k, v in lat.items()}
+        results[label] = p
+        echo(
+            f"  {label:26s} B={b}: p50 native {p['native']:.1f} us vs numpy {p['numpy']:.1f} us "
+            f"({p['numpy'] / p['native']:.1f}x); after {args.evict_mib} MiB rewritten: "
+            f"{p['native_evict']:.1f} vs {p['numpy_evict']:.1f} us "
+            f"({p['numpy_evict'] / p['native_evict']:.1f}x)"
+        )
+    return results
+
+
 def index_child(tokens: int) -> None:
     """Run in a child process: index a Zipf corpus, print the summary as JSON."""
     from engramdb.build.index import build_index
@@ -303,6 +360,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--plain-steps", type=int, default=3_000)
     ap.add_argument("--index-tokens", type=int, default=10_000_000)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per batched decode step")
+    ap.add_argument("--batch-steps", type=int, default=1500)
+    ap.add_argument("--evict-mib", type=int, default=8)
     ap.add_argument("--index-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.index_child:
@@ -321,6 +381,8 @@ def main() -> None:
     batch = batched(args, echo)
     echo(f"decode: one token pushed per step, {args.steps:,} steps after 1,000 warm-up")
     dec = decode(args, echo)
+    echo(f"decode: one token for each of {args.batch} sequences per step, compiled loop vs numpy")
+    bdec = batch_decode(args, echo)
     idx: dict[str, Any] = {}
     if args.index_tokens:
         echo(f"index: {args.index_tokens:,}-token Zipf corpus, qwen3.8-flash-next (child process)")
@@ -354,6 +416,7 @@ def main() -> None:
         "vectors_checked": n_vectors,
         "batched": batch,
         "decode": dec,
+        "batch_decode": bdec,
         "index": idx,
         "vm_hwm_mib": hwm,
         "summary": lines,

@@ -31,6 +31,7 @@ from engramdb.keygen._tables import (
     prepare_out,
     to_int64,
 )
+from engramdb.keygen.native import NATIVE_MAX_POSITIONS, native_enabled, native_rows
 from engramdb.keygen.stream import History, KeyStream, Step
 
 # Re-exported for the kinds and older imports; they live in `engramdb.keygen._tables`.
@@ -54,9 +55,9 @@ __all__ = [
 # per token; 2048 doubles that overhead, 65536 spills the scratch to L3 and is ~25 % slower.
 BLOCK_TOKENS = 8192
 
-# Positions and blocks served by the vectorised kernel since import. Probes read it to prove
-# which path ran; one dict update per block (~8k positions) costs nothing measurable.
-kernel_stats = {"blocks": 0, "positions": 0}
+# Positions and blocks served by the vectorised kernel (and positions by the compiled loop)
+# since import. Probes read it to prove which path ran; one dict update per block or push.
+kernel_stats = {"blocks": 0, "positions": 0, "native_positions": 0}
 
 
 # --- the vectorised kernel ------------------------------------------------------------------
@@ -330,6 +331,20 @@ class Hasher:
         raise NotImplementedError
 
     # --- batched API ------------------------------------------------------------------------
+    def _encoded(
+        self, token_ids: Any, compressed: bool, mask: Any, strict: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, tuple[int, ...]]:
+        """Hashed ids ``[S, T]``, the kind's barrier / dead flags (or None), the shape."""
+        arr = as_token_array(token_ids)
+        mask_arr = None if mask is None else as_mask(mask, arr.shape)
+        ids = self._encode(arr, compressed, strict)
+        shape = arr.shape
+        n_seq, n_pos = math.prod(shape[:-1]), shape[-1]
+        ids2 = ids.reshape(n_seq, n_pos)
+        mask2 = None if mask_arr is None else mask_arr.reshape(n_seq, n_pos)
+        ids2, bar, dead = self._apply_mask(ids2, mask2)
+        return ids2, bar, dead, shape
+
     def _ext(
         self,
         token_ids: Any,
@@ -340,14 +355,8 @@ class Hasher:
         hist_bar: np.ndarray | None = None,
         starts: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[int, ...]]:
-        arr = as_token_array(token_ids)
-        mask_arr = None if mask is None else as_mask(mask, arr.shape)
-        ids = self._encode(arr, compressed, strict)
-        shape = arr.shape
-        n_seq, n_pos = math.prod(shape[:-1]), shape[-1]
-        ids2 = ids.reshape(n_seq, n_pos)
-        mask2 = None if mask_arr is None else mask_arr.reshape(n_seq, n_pos)
-        ids2, bar, dead = self._apply_mask(ids2, mask2)
+        ids2, bar, dead, shape = self._encoded(token_ids, compressed, mask, strict)
+        n_seq, n_pos = ids2.shape
         h = self.max_ngram - 1
         ext = np.empty((n_seq, h + n_pos), dtype=np.int64)
         ext[:, h:] = ids2
@@ -509,7 +518,10 @@ class Hasher:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Batched continuation: rows of ``arr`` ``[B, T]`` after ``hist`` ``[B, N-1]``, new hist.
 
-        What a `KeyStream` calls for a push of more than one token."""
+        What a `KeyStream` calls for a push of more than one token; small pushes take the
+        compiled loop where it is built (`engramdb.keygen.native`)."""
+        if arr.size <= NATIVE_MAX_POSITIONS and self.max_ngram > 1 and native_enabled():
+            return self._native_rows(lt, arr, mask, mode, hist)
         ext, ext_bar, dead, shape = self._ext(arr, mode.compressed, mask, mode.strict, *hist)
         res = np.empty((*shape, lt.n_heads), dtype=np.int64)
         n_seq, n_pos = ext.shape[0], shape[-1]
@@ -518,6 +530,15 @@ class Hasher:
         )
         keep = ext.shape[1] - (self.max_ngram - 1)
         return res, ext[:, keep:].copy(), ext_bar[:, keep:].copy()
+
+    def _native_rows(
+        self, lt: LayerTables, arr: np.ndarray, mask: Any, mode: RowMode, hist: History
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids2, bar, dead, shape = self._encoded(arr, mode.compressed, mask, mode.strict)
+        res = np.empty((*shape, lt.n_heads), dtype=np.int64)
+        new_ids, new_bar = native_rows(lt, ids2, bar, dead, hist, self.fill_id, mode.local, res)
+        kernel_stats["native_positions"] += ids2.size
+        return res, new_ids, new_bar
 
     # --- one token, pure Python ---------------------------------------------------------------
     # Kind rules for the one-token path: what a dead position becomes, which id is a barrier.

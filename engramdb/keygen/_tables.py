@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -82,6 +83,15 @@ class LayerTables:
     offsets: np.ndarray
     table_rows: int
     peft_orders: tuple[int, ...] | None = None
+
+    @cached_property
+    def group_steps(self) -> np.ndarray:
+        """Per head group (``heads_per_ngram`` columns each), the term of the mix after which
+        it reads it: order ``n`` reads after ``n - 1`` (DeepSeek: the groups are orders 2..N;
+        engram-peft: ``peft_orders``)."""
+        if self.peft_orders is None:
+            return readonly_int64(list(range(1, self.max_ngram)))
+        return readonly_int64([n - 1 for n in self.peft_orders])
 
     @property
     def prime_cols(self) -> np.ndarray:

@@ -1,0 +1,87 @@
+"""keygen's compiled loop (``_native.c``): the row ids of a push of a few positions (a decode
+step of a batch, a short prefill) after each sequence's look-back, in one call.
+
+The numpy kernel (`engramdb.keygen._core`) costs ~40 ufunc calls a push whatever its size:
+~30 us for one step of 8 sequences on its own, and 2.5-4x that inside a decode loop, where
+the model's step has just evicted numpy's code and data from the caches. The loop does the
+same arithmetic (look-back blocking, the wrapping multiply-XOR mixes, a floor modulo per
+head) without leaving C. It divides once per head and position, where numpy divides a whole
+column by one prime with SIMD, so only pushes of at most `NATIVE_MAX_POSITIONS` take it.
+
+Optional: built by ``pip install`` where a C compiler is present; without it, or with
+``ENGRAMDB_NATIVE=0``, the numpy kernel serves every push.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+from engramdb.keygen._tables import LayerTables
+
+_native: ModuleType | None
+try:
+    from engramdb.keygen import _native
+except ImportError:  # pragma: no cover - built without a C compiler
+    _native = None
+
+__all__ = ["NATIVE_ENV", "NATIVE_MAX_POSITIONS", "native_enabled", "native_rows"]
+
+#: Pushes of at most this many positions take the compiled loop (past a few hundred, the
+#: numpy kernel's SIMD division wins over its fixed cost).
+NATIVE_MAX_POSITIONS = 256
+#: ``0`` turns the compiled parts off (this loop, and the column gather of
+#: ``engramdb.io.columns``); the numpy paths run instead.
+NATIVE_ENV = "ENGRAMDB_NATIVE"
+
+_enabled: bool | None = None
+
+
+def native_enabled() -> bool:
+    """Whether the compiled loop is built and not turned off by ``ENGRAMDB_NATIVE=0`` (read
+    once per process)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = _native is not None and os.environ.get(NATIVE_ENV, "").strip() != "0"
+    return _enabled
+
+
+def native_rows(
+    lt: LayerTables,
+    ids2: np.ndarray,
+    bar: np.ndarray | None,
+    dead: np.ndarray | None,
+    hist: tuple[np.ndarray, np.ndarray],
+    fill: int,
+    local: bool,
+    out: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row ids of the encoded ids ``ids2`` ``[S, T]`` (``bar`` / ``dead``: the kind's barrier
+    flags and dead positions, or None) after the look-back ``hist`` (ids, flags ``[S, N-1]``)
+    into ``out`` (int64, ``S * T * n_heads``; local ids when ``local``). Returns the look-back
+    after the push. Call only where `native_enabled`."""
+    n_seq = ids2.shape[0]
+    h = lt.max_ngram - 1
+    new_ids = np.empty((n_seq, h), dtype=np.int64)
+    new_bar = np.empty((n_seq, h), dtype=np.bool_)
+    assert _native is not None
+    _native.rows(
+        np.ascontiguousarray(ids2, dtype=np.int64),
+        None if bar is None else np.ascontiguousarray(bar, dtype=np.bool_),
+        None if dead is None else np.ascontiguousarray(dead, dtype=np.bool_),
+        np.ascontiguousarray(hist[0], dtype=np.int64),
+        np.ascontiguousarray(hist[1], dtype=np.bool_),
+        out,
+        new_ids,
+        new_bar,
+        lt.multipliers,
+        lt.primes,
+        None if local else lt.offsets,
+        lt.group_steps,
+        lt.heads_per_ngram,
+        fill,
+        lt.peft_orders is not None,
+    )
+    return new_ids, new_bar

@@ -1,0 +1,149 @@
+"""keygen's compiled loop for small pushes (``engramdb.keygen._native``): the same row ids and
+look-back as the numpy kernel for every hashed kind, barriers and dead positions included."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from engramdb import keygen
+from engramdb.errors import TokenIdOutOfRange
+from engramdb.keygen import _core, native
+
+built = pytest.mark.skipif(native._native is None, reason="keygen's compiled loop not built")
+
+QWEN_EOS = 248_044
+
+PEFT_CFG = dict(
+    compressed_vocab_size=1000,
+    engram_vocab_size_per_ngram=[400, 600, 900],
+    ngram_sizes=[1, 3, 2],
+    n_head_per_ngram=3,
+    target_layers=[2, 9],
+    pad_id=7,
+    seed=1,
+    enable_tokenizer_compression=False,
+)
+
+
+def hashers() -> Iterator[tuple[str, keygen.Hasher, bool, int]]:
+    """(name, hasher, compressed, token id bound) for every hashed kind."""
+    yield (
+        "deepseek-demo",
+        keygen.preset("deepseek-engram-demo", compressed_vocab_size=500, compressed_pad_id=2),
+        True,
+        500,
+    )
+    v41 = keygen.preset("deepseek-v4.1-flash")
+    yield "deepseek-v4.1", v41, True, int(v41.id_bound or 0)
+    qwen = keygen.preset("qwen3.8-flash-next")
+    yield "qwen", qwen, False, int(qwen.id_bound or 0)
+    yield "engram-peft", keygen.hasher("engram-peft", PEFT_CFG), False, 1000
+
+
+KINDS = list(hashers())
+
+
+def tokens(rng: np.random.Generator, bound: int, shape: tuple[int, ...], eos: bool) -> np.ndarray:
+    # a small alphabet part repeats n-grams; Qwen's EOS ends segments mid-batch
+    tok = rng.integers(0, bound, size=shape)
+    tok[..., ::3] = rng.integers(0, 4, size=tok[..., ::3].shape)
+    if eos:
+        tok[rng.random(shape) < 0.1] = QWEN_EOS
+    return tok
+
+
+def pushes(
+    h: keygen.Hasher, layer: int, compressed: bool, local: bool, toks: np.ndarray, sizes: list[int],
+    mask: np.ndarray | None,
+) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    st = h.stream(layer=layer, compressed=compressed, local=local)
+    out, t0 = [], 0
+    for n in sizes:
+        m = None if mask is None else mask[:, t0 : t0 + n]
+        out.append(st.push(toks[:, t0 : t0 + n], mask=m))
+        t0 += n
+    return out, st.history
+
+
+@built
+@pytest.mark.parametrize(("name", "h", "compressed", "bound"), KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "dead"])
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+def test_pushes_equal_the_numpy_kernel_and_the_full_pass(
+    name: str,
+    h: keygen.Hasher,
+    compressed: bool,
+    bound: int,
+    masked: bool,
+    local: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(3)
+    sizes = [1, 1, 4, 1, 32, 2, 1, 7, 1]
+    for b in (1, 8, 5):
+        toks = tokens(rng, bound, (b, sum(sizes)), eos=name == "qwen")
+        mask = rng.random(toks.shape) < 0.15 if masked else None
+        for layer in h.layers[:2]:
+            before = _core.kernel_stats["native_positions"]
+            got, hist = pushes(h, layer, compressed, local, toks, sizes, mask)
+            # it ran (one sequence's one-token pushes take the pure-Python step instead)
+            ran = toks.size if b > 1 else sum(n for n in sizes if n > 1)
+            assert _core.kernel_stats["native_positions"] - before == ran
+            monkeypatch.setattr(native, "_enabled", False)
+            want, want_hist = pushes(h, layer, compressed, local, toks, sizes, mask)
+            monkeypatch.setattr(native, "_enabled", None)
+            for g, w in zip(got, want):
+                assert g.dtype == np.int64 and np.array_equal(g, w), (b, layer)
+            assert np.array_equal(hist[0], want_hist[0]) and np.array_equal(hist[1], want_hist[1])
+            full = (h.local_ids if local else h.row_ids)(
+                toks, layer=layer, compressed=compressed, mask=mask
+            )
+            assert np.array_equal(np.concatenate(got, axis=1), full), (b, layer)
+
+
+@built
+def test_large_pushes_stay_on_the_numpy_kernel() -> None:
+    h = keygen.preset("qwen3.8-flash-next")
+    st = h.stream(layer=2)
+    before = dict(_core.kernel_stats)
+    st.push(np.arange(2 * (native.NATIVE_MAX_POSITIONS + 1)).reshape(2, -1))
+    assert _core.kernel_stats["native_positions"] == before["native_positions"]
+    assert _core.kernel_stats["blocks"] > before["blocks"]
+    st.push(np.arange(2).reshape(2, 1))
+    assert _core.kernel_stats["native_positions"] == before["native_positions"] + 2
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
+def test_out_of_range_tokens_raise_before_any_state_changes(
+    use_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_enabled", None if use_native else False)
+    h = keygen.preset("deepseek-v4.1-flash")
+    st = h.stream(layer=1, compressed=True)
+    first = st.push(np.array([[5], [6]]))
+    hist = st.history
+    bound = int(h.id_bound or 0)
+    with pytest.raises(TokenIdOutOfRange, match=str(bound)):
+        st.push(np.array([[5], [bound]]))
+    assert np.array_equal(st.history[0], hist[0])  # the failed push left the look-back alone
+    again = h.stream(layer=1, compressed=True)
+    assert np.array_equal(again.push(np.array([[5], [6]])), first)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_install_builds_the_compiled_loop() -> None:
+    assert native._native is not None
+
+
+def test_turned_off_by_environment() -> None:
+    code = "from engramdb.keygen import native; print(native.native_enabled())"
+    env = {**os.environ, native.NATIVE_ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
