@@ -174,3 +174,22 @@ def test_wrapping_ids_through_the_loop_equal_the_oracle(data: st.DataObject) -> 
     assert _core.kernel_stats["native_positions"] - before == ran
     for i, seq in enumerate(seqs):
         assert got[i].tolist() == _oracle_for(h, seq, layer)
+
+
+@built
+def test_layers_past_the_loops_bounds_take_the_numpy_kernel() -> None:
+    cfg = {
+        "layer_ids": [1],
+        "max_ngram_size": native.MAX_NGRAM + 1,
+        "n_head_per_ngram": 1,
+        "engram_vocab_size": [50] * native.MAX_NGRAM,
+        "pad_id": 0,
+        "compressed_vocab_size": 40,
+    }
+    h = keygen.hasher("deepseek-demo", cfg, compressed_pad_id=0)
+    toks = np.arange(2 * 40).reshape(2, 40) % 40
+    st = h.stream(layer=1, compressed=True)
+    before = _core.kernel_stats["native_positions"]
+    got = np.concatenate([st.push(toks[:, :3]), st.push(toks[:, 3:])], axis=1)
+    assert _core.kernel_stats["native_positions"] == before
+    assert np.array_equal(got, h.row_ids(toks, layer=1, compressed=True))

@@ -31,7 +31,7 @@ from engramdb.keygen._tables import (
     prepare_out,
     to_int64,
 )
-from engramdb.keygen.native import NATIVE_MAX_POSITIONS, native_enabled, native_rows
+from engramdb.keygen.native import native_fits, native_rows
 from engramdb.keygen.stream import History, KeyStream, Step
 
 # Re-exported for the kinds and older imports; they live in `engramdb.keygen._tables`.
@@ -520,7 +520,7 @@ class Hasher:
 
         What a `KeyStream` calls for a push of more than one token; small pushes take the
         compiled loop where it is built (`engramdb.keygen.native`)."""
-        if arr.size <= NATIVE_MAX_POSITIONS and self.max_ngram > 1 and native_enabled():
+        if native_fits(lt, arr.size):
             return self._native_rows(lt, arr, mask, mode, hist)
         ext, ext_bar, dead, shape = self._ext(arr, mode.compressed, mask, mode.strict, *hist)
         res = np.empty((*shape, lt.n_heads), dtype=np.int64)

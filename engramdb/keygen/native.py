@@ -27,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _native = None
 
-__all__ = ["NATIVE_ENV", "NATIVE_MAX_POSITIONS", "native_enabled", "native_rows"]
+__all__ = ["NATIVE_ENV", "NATIVE_MAX_POSITIONS", "native_enabled", "native_fits", "native_rows"]
 
 #: Pushes of at most this many positions take the compiled loop (past a few hundred, the
 #: numpy kernel's SIMD division wins over its fixed cost).
@@ -35,6 +35,11 @@ NATIVE_MAX_POSITIONS = 256
 #: ``0`` turns the compiled parts off (this loop, and the column gather of
 #: ``engramdb.io.columns``); the numpy paths run instead.
 NATIVE_ENV = "ENGRAMDB_NATIVE"
+
+#: The loop's bounds (its per-position scratch): longer n-grams, or more head groups, take
+#: the numpy kernel.
+MAX_NGRAM = 16
+MAX_GROUPS = 64
 
 _enabled: bool | None = None
 
@@ -46,6 +51,17 @@ def native_enabled() -> bool:
     if _enabled is None:
         _enabled = _native is not None and os.environ.get(NATIVE_ENV, "").strip() != "0"
     return _enabled
+
+
+def native_fits(lt: LayerTables, positions: int) -> bool:
+    """Whether a push of ``positions`` positions of layer ``lt`` takes the compiled loop: it
+    is built and on, the push is small, and the layer's n-grams fit its bounds."""
+    return (
+        positions <= NATIVE_MAX_POSITIONS
+        and 2 <= lt.max_ngram <= MAX_NGRAM
+        and lt.group_steps.size <= MAX_GROUPS
+        and native_enabled()
+    )
 
 
 def native_rows(
@@ -61,7 +77,7 @@ def native_rows(
     """Row ids of the encoded ids ``ids2`` ``[S, T]`` (``bar`` / ``dead``: the kind's barrier
     flags and dead positions, or None) after the look-back ``hist`` (ids, flags ``[S, N-1]``)
     into ``out`` (int64, ``S * T * n_heads``; local ids when ``local``). Returns the look-back
-    after the push. Call only where `native_enabled`."""
+    after the push. Call only where `native_fits`."""
     n_seq = ids2.shape[0]
     h = lt.max_ngram - 1
     new_ids = np.empty((n_seq, h), dtype=np.int64)
