@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from engramdb import keygen
+from engramdb.keygen import native
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -150,6 +151,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def numpy_kernel(fn: Callable[[], object]) -> object:
+    """``fn()`` with keygen's compiled loop turned off (the numpy kernel serves)."""
+    native._enabled = False
+    try:
+        return fn()
+    finally:
+        native._enabled = None
+
+
 def batched(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, Any]:
     rng = np.random.default_rng(7)
     results: dict[str, Any] = {}
@@ -170,7 +180,12 @@ def batched(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, 
         }
         if h.kind != "gemma3n":
             arms = {"plain": lambda h=h, ids=ids, layer=layer: plain_row_ids(h, layer, ids), **arms}
-        before = keygen.kernel_stats["positions"]
+            if native.native_enabled():  # the compiled loop's baseline: the numpy kernel
+                arms["numpy_kernel"] = lambda h=h, ids=ids, layer=layer, kw=kw: numpy_kernel(
+                    lambda: h.row_ids(ids, layer=layer, **kw)
+                )
+        stats = keygen.kernel_stats
+        before = stats["positions"] + stats["native_positions"]
         reps: dict[str, list[float]] = {name: [] for name in arms}
         names = list(arms)
         for r in range(args.reps):
@@ -183,7 +198,7 @@ def batched(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, 
             echo(f"  {label:26s} rep {r}: " + "  ".join(row) + "  M tokens/s")
         first = names[0]
         tail = ids.shape[0] / timed(arms[first])  # baseline again, last: drift / noise floor
-        served = keygen.kernel_stats["positions"] - before
+        served = stats["positions"] + stats["native_positions"] - before
         med = {name: statistics.median(v) for name, v in reps.items()}
         entry: dict[str, Any] = {
             "preset": preset,
@@ -198,8 +213,12 @@ def batched(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, 
         if "plain" in med:
             entry["ratio_engine_vs_plain"] = med["engine"] / med["plain"]
             entry["ratio_engine_out_vs_plain"] = med["engine_out"] / med["plain"]
+        if "numpy_kernel" in med:
+            entry["ratio_engine_vs_numpy_kernel"] = med["engine"] / med["numpy_kernel"]
         results[label] = entry
         ratio = f"  ratio vs plain {entry.get('ratio_engine_vs_plain', float('nan')):.2f}x"
+        if "numpy_kernel" in med:
+            ratio += f", vs the numpy kernel {entry['ratio_engine_vs_numpy_kernel']:.2f}x"
         echo(
             f"  {label:26s} median: engine {med['engine'] / 1e6:.2f}  engine(out=) "
             f"{med['engine_out'] / 1e6:.2f} M tokens/s{ratio if 'plain' in med else ''}; "
@@ -263,7 +282,7 @@ def batch_decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[
     loop against the numpy kernel, interleaved, alone and with ``--evict-mib`` of memory
     rewritten between steps (the stand-in for a model step that evicts numpy's code and data
     from the caches; only the push is timed)."""
-    from engramdb.keygen import _core, native
+    from engramdb.keygen import _core
 
     if not native.native_enabled():
         echo("  skipped: keygen's compiled loop is not built or ENGRAMDB_NATIVE=0")

@@ -1,5 +1,5 @@
-"""keygen's compiled loop for small pushes (``engramdb.keygen._native``): the same row ids and
-look-back as the numpy kernel for every hashed kind, barriers and dead positions included."""
+"""keygen's compiled loop (``engramdb.keygen._native``): the same row ids and look-back as the
+numpy kernel for every hashed kind, barriers and dead positions included."""
 
 from __future__ import annotations
 
@@ -101,26 +101,43 @@ def test_pushes_equal_the_numpy_kernel_and_the_full_pass(
             assert _core.kernel_stats["native_positions"] - before == ran
             monkeypatch.setattr(native, "_enabled", False)
             want, want_hist = pushes(h, layer, compressed, local, toks, sizes, mask)
+            full = (h.local_ids if local else h.row_ids)(
+                toks, layer=layer, compressed=compressed, mask=mask
+            )
             monkeypatch.setattr(native, "_enabled", None)
             for g, w in zip(got, want):
                 assert g.dtype == np.int64 and np.array_equal(g, w), (b, layer)
             assert np.array_equal(hist[0], want_hist[0]) and np.array_equal(hist[1], want_hist[1])
-            full = (h.local_ids if local else h.row_ids)(
-                toks, layer=layer, compressed=compressed, mask=mask
-            )
             assert np.array_equal(np.concatenate(got, axis=1), full), (b, layer)
 
 
 @built
-def test_large_pushes_stay_on_the_numpy_kernel() -> None:
-    h = keygen.preset("qwen3.8-flash-next")
-    st = h.stream(layer=2)
+@pytest.mark.parametrize(("name", "h", "compressed", "bound"), KINDS, ids=[k[0] for k in KINDS])
+def test_row_ids_and_long_pushes_equal_the_numpy_kernel(
+    name: str, h: keygen.Hasher, compressed: bool, bound: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(9)
+    toks = tokens(rng, bound, (3, 9000), eos=name == "qwen")
+    mask = rng.random(toks.shape) < 0.05
+    layer = h.layers[-1]
     before = dict(_core.kernel_stats)
-    st.push(np.arange(2 * (native.NATIVE_MAX_POSITIONS + 1)).reshape(2, -1))
-    assert _core.kernel_stats["native_positions"] == before["native_positions"]
+    got = h.row_ids(toks, layer=layer, compressed=compressed, mask=mask)
+    local = h.local_ids(toks[0], layer=layer, compressed=compressed)
+    st = h.stream(layer=layer, compressed=compressed)
+    pushed = np.concatenate([st.push(toks[:, :5000]), st.push(toks[:, 5000:])], axis=1)
+    served = _core.kernel_stats["native_positions"] - before["native_positions"]
+    assert served == 2 * toks.size + toks.shape[1]
+    assert _core.kernel_stats["blocks"] == before["blocks"]  # the numpy kernel never ran
+    monkeypatch.setattr(native, "_enabled", False)
+    want = h.row_ids(toks, layer=layer, compressed=compressed, mask=mask)
     assert _core.kernel_stats["blocks"] > before["blocks"]
-    st.push(np.arange(2).reshape(2, 1))
-    assert _core.kernel_stats["native_positions"] == before["native_positions"] + 2
+    assert np.array_equal(got, want)
+    assert np.array_equal(local, h.local_ids(toks[0], layer=layer, compressed=compressed))
+    assert np.array_equal(pushed, h.row_ids(toks, layer=layer, compressed=compressed))
+    out = np.empty_like(want)
+    monkeypatch.setattr(native, "_enabled", None)
+    assert h.row_ids(toks, layer=layer, compressed=compressed, mask=mask, out=out) is out
+    assert np.array_equal(out, want)
 
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])

@@ -55,8 +55,7 @@ __all__ = [
 # per token; 2048 doubles that overhead, 65536 spills the scratch to L3 and is ~25 % slower.
 BLOCK_TOKENS = 8192
 
-# Positions and blocks served by the vectorised kernel (and positions by the compiled loop)
-# since import. Probes read it to prove which path ran; one dict update per block or push.
+# Positions and blocks served by the numpy kernel, positions by the compiled loop (`native`).
 kernel_stats = {"blocks": 0, "positions": 0, "native_positions": 0}
 
 
@@ -242,8 +241,8 @@ class Hasher:
     """Row-id generator of one model: constants per layer plus the kind's boundary rules.
 
     Build one with :func:`engramdb.keygen.hasher` or :func:`engramdb.keygen.preset`. All
-    methods are pure CPU work (no I/O); batched calls are vectorised numpy costing tens of
-    nanoseconds per token and layer, and allocate only their output plus ~1 MiB scratch.
+    methods are pure CPU work (no I/O); batched calls run the compiled loop (`native`; else
+    vectorised numpy), tens of nanoseconds per token and layer, allocating their output.
     """
 
     kind: str = ""
@@ -414,6 +413,8 @@ class Hasher:
         self, token_ids: Any, layer: int | None, mode: RowMode, mask: Any, out: np.ndarray | None
     ) -> np.ndarray:
         lt = self.layer_tables(layer)
+        if native_fits(lt):
+            return self._native_rows(lt, token_ids, mask, mode, None, out)[0]
         ext, ext_bar, dead, shape = self._ext(token_ids, mode.compressed, mask, mode.strict)
         res = prepare_out(out, (*shape, lt.n_heads))
         n_seq, n_pos = ext.shape[0], shape[-1]
@@ -518,10 +519,9 @@ class Hasher:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Batched continuation: rows of ``arr`` ``[B, T]`` after ``hist`` ``[B, N-1]``, new hist.
 
-        What a `KeyStream` calls for a push of more than one token; small pushes take the
-        compiled loop where it is built (`engramdb.keygen.native`)."""
-        if native_fits(lt, arr.size):
-            return self._native_rows(lt, arr, mask, mode, hist)
+        What a `KeyStream` calls for a push of more than one token."""
+        if native_fits(lt):
+            return self._native_rows(lt, arr, mask, mode, hist, None)
         ext, ext_bar, dead, shape = self._ext(arr, mode.compressed, mask, mode.strict, *hist)
         res = np.empty((*shape, lt.n_heads), dtype=np.int64)
         n_seq, n_pos = ext.shape[0], shape[-1]
@@ -532,10 +532,10 @@ class Hasher:
         return res, ext[:, keep:].copy(), ext_bar[:, keep:].copy()
 
     def _native_rows(
-        self, lt: LayerTables, arr: np.ndarray, mask: Any, mode: RowMode, hist: History
+        self, lt: LayerTables, arr: Any, mask: Any, mode: RowMode, hist: History | None, out: Any
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids2, bar, dead, shape = self._encoded(arr, mode.compressed, mask, mode.strict)
-        res = np.empty((*shape, lt.n_heads), dtype=np.int64)
+        res = prepare_out(out, (*shape, lt.n_heads))
         new_ids, new_bar = native_rows(lt, ids2, bar, dead, hist, self.fill_id, mode.local, res)
         kernel_stats["native_positions"] += ids2.size
         return res, new_ids, new_bar
