@@ -1,5 +1,5 @@
-"""keygen's compiled loop (``_native.c``): the row ids of a push of a few positions (a decode
-step of a batch, a short prefill) after each sequence's look-back, in one call.
+"""keygen's compiled loop (``_native.c``): the row ids of a batch of positions after each
+sequence's look-back, in one pass.
 
 The numpy kernel (`engramdb.keygen._core`) costs ~40 ufunc calls a call whatever its size:
 ~30 us for one step of 8 sequences on its own, and 2.5-4x that inside a decode loop, where
@@ -10,7 +10,7 @@ head) in one pass, with no scratch: 3-4x faster than the numpy kernel for a deco
 push and `row_ids` / `local_ids` call of a hashed kind takes it.
 
 Optional: built by ``pip install`` where a C compiler is present; without it, or with
-``ENGRAMDB_NATIVE=0``, the numpy kernel serves every push.
+``ENGRAMDB_NATIVE=0``, the numpy kernel serves every call.
 """
 
 from __future__ import annotations
