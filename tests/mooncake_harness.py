@@ -103,9 +103,13 @@ def stop(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> None:
 
 class Cluster:
     """``mooncake_master`` (with its HTTP metadata server) plus one storage host
-    (``mooncake_client`` with a ``segment`` of memory), on loopback ports from ``base``."""
+    (``mooncake_client`` with a ``segment`` of memory), on loopback ports from ``base``.
 
-    def __init__(self, base: int = 50051, segment: str = "512MB", lease_ms: int = 500):
+    Each deployment of the suite has ports of its own, below the kernel's ephemeral range
+    (32768 and up): a fixed port inside it can be taken by an outgoing connection of an
+    earlier deployment's processes, and the storage host then fails to bind and exits."""
+
+    def __init__(self, base: int = 31051, segment: str = "512MB", lease_ms: int = 500):
         self.rpc_port = base
         self.client_port = base + 1
         self.http_port = base + 2

@@ -149,7 +149,7 @@ def mooncake_client() -> Iterator[Any]:
         pytest.skip(f"cannot create a private network namespace for the Mooncake tests: {e}")
     old = os.environ.get("MC_TCP_BIND_ADDRESS")
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    cluster = Cluster(base=50151)  # ports of its own: another module may have run one
+    cluster = Cluster(base=31151)  # ports of its own: another module may have run one
     try:
         cluster.start()
         client = cluster.connect()

@@ -371,7 +371,7 @@ def test_publish_refuses_unknown_table(client: Any, source_db: Path) -> None:
 def test_master_killed_mid_run_is_a_clear_error(tmp_path: Path, cluster: Cluster) -> None:
     """A second deployment on other ports; a child process populates, the master is
     killed, and the child's next lookup must fail with `StoreUnavailable` within bounds."""
-    doomed = Cluster(base=50151, segment="64MB").start()
+    doomed = Cluster(base=31251, segment="64MB").start()
     try:
         code = textwrap.dedent(
             f"""
@@ -431,7 +431,7 @@ def test_master_killed_mid_run_is_a_clear_error(tmp_path: Path, cluster: Cluster
 def test_failed_populate_leaves_nothing_behind(cluster: Cluster) -> None:
     """A storage host too small for the layer: the first head fits, the second does not;
     populate fails with a clear error and removes the head it wrote."""
-    small = Cluster(base=50251, segment="64MB").start()
+    small = Cluster(base=31351, segment="64MB").start()
     try:
         client = small.connect()
         try:
