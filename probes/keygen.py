@@ -153,11 +153,11 @@ def timed(fn: Callable[[], object]) -> float:
 
 def numpy_kernel(fn: Callable[[], object]) -> object:
     """``fn()`` with keygen's compiled loop turned off (the numpy kernel serves)."""
-    native._enabled = False
+    native.use_native(False)
     try:
         return fn()
     finally:
-        native._enabled = None
+        native.use_native(None)
 
 
 def batched(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, Any]:
@@ -282,7 +282,6 @@ def batch_decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[
     loop against the numpy kernel, interleaved, alone and with ``--evict-mib`` of memory
     rewritten between steps (the stand-in for a model step that evicts numpy's code and data
     from the caches; only the push is timed)."""
-    from engramdb.keygen import _core
 
     if not native.native_enabled():
         echo("  skipped: keygen's compiled loop is not built or ENGRAMDB_NATIVE=0")
@@ -300,8 +299,8 @@ def batch_decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[
             arms = ("native", "numpy") if rep % 2 == 0 else ("numpy", "native")
             for evict in (False, True):
                 for arm in arms:
-                    native._enabled = arm == "native"
-                    before = _core.kernel_stats["native_positions"]
+                    native.use_native(arm == "native")
+                    before = keygen.kernel_stats["native_positions"]
                     s = h.stream(layer=layer, **kw)
                     ns = []
                     for i in range(steps):
@@ -313,11 +312,11 @@ def batch_decode(args: argparse.Namespace, echo: Callable[[str], None]) -> dict[
                         ns.append(time.perf_counter_ns() - t0)
                         if i % 97 == 0:
                             assert np.array_equal(row, full[:, i : i + 1]), f"{label} step {i}"
-                    served = _core.kernel_stats["native_positions"] - before
+                    served = keygen.kernel_stats["native_positions"] - before
                     assert served == (steps * b if arm == "native" else 0), (arm, served)
                     key = f"{arm}{'_evict' if evict else ''}"
                     lat.setdefault(key, []).extend(ns[50:])
-        native._enabled = None
+        native.use_native(None)
         p = {k: float(np.percentile(v, 50)) / 1e3 for k, v in lat.items()}
         results[label] = p
         echo(

@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _native = None
 
-__all__ = ["NATIVE_ENV", "native_enabled", "native_fits", "native_rows"]
+__all__ = ["NATIVE_ENV", "native_enabled", "native_fits", "native_rows", "use_native"]
 
 #: ``0`` turns the compiled parts off (this loop, and the column gather of
 #: ``engramdb.io.columns``); the numpy paths run instead.
@@ -49,6 +49,13 @@ def native_enabled() -> bool:
     if _enabled is None:
         _enabled = _native is not None and os.environ.get(NATIVE_ENV, "").strip() != "0"
     return _enabled
+
+
+def use_native(on: bool | None) -> None:
+    """Force the compiled loop on (where built) or off for this process; None goes back to
+    the build and ``ENGRAMDB_NATIVE``. For probes that time both paths in one run."""
+    global _enabled
+    _enabled = None if on is None else bool(on) and _native is not None
 
 
 def native_fits(lt: LayerTables) -> bool:
