@@ -116,3 +116,88 @@ def test_turned_off_by_environment() -> None:
     env = {**os.environ, columns.NATIVE_ENV: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@native
+def test_rows_before_an_id_out_of_range_are_written_and_none_after(
+    rng: np.random.Generator,
+) -> None:
+    w = rng.integers(0, 256, (300, 24), dtype=np.uint8)
+    s = rng.integers(0, 256, (300, 8), dtype=np.uint8)
+    ids = rng.integers(0, 300, 1000)
+    ids[700] = 300
+    out = np.zeros((1000, 32), np.uint8)
+    with pytest.raises(RowIdOutOfRange, match="300"):
+        columns.take_columns([(w, 24), (s, 8)], ids, out)
+    assert np.array_equal(out[:700], concat([w, s], ids[:700]))
+    assert not out[700:].any()
+
+
+@native
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
+@pytest.mark.parametrize("lead", [0, 8])  # rows on cache lines, and 8 bytes off them
+def test_prefetched_take_equals_np_take(
+    dtype: type, lead: int, rng: np.random.Generator
+) -> None:
+    rows, width = 4000, 128 // np.dtype(dtype).itemsize
+    raw = rng.integers(0, 256, lead + rows * width * np.dtype(dtype).itemsize, dtype=np.uint8)
+    table = raw[lead:].view(dtype).reshape(rows, width)
+    for size in (0, 1, 31, 32, 33, 5000):
+        ids = rng.integers(0, rows, size)
+        out = np.full((size, width), 7, dtype)
+        assert columns.take_prefetched(table, ids, out)
+        # compared as bytes: random float bits hold NaNs
+        assert out.tobytes() == table[ids].tobytes(), (dtype, lead, size)
+
+
+@native
+def test_prefetched_take_raises_at_an_id_out_of_range(rng: np.random.Generator) -> None:
+    table = rng.integers(0, 256, (100, 64), dtype=np.uint8)
+    ids = np.array([3, 99, 100, 5], np.int64)
+    out = np.zeros((4, 64), np.uint8)
+    with pytest.raises(RowIdOutOfRange, match="100"):
+        columns.take_prefetched(table, ids, out)
+    assert np.array_equal(out[:2], table[[3, 99]]) and not out[2:].any()
+    with pytest.raises(RowIdOutOfRange, match="-2"):
+        columns.take_prefetched(table, np.array([-2], np.int64), out[:1])
+
+
+def test_prefetched_take_leaves_arrays_it_cannot_take_alone(rng: np.random.Generator) -> None:
+    table = rng.integers(0, 256, (50, 16), dtype=np.uint8)
+    ids = np.arange(4, dtype=np.int64)
+    out = np.zeros((4, 16), np.uint8)
+    assert not columns.take_prefetched(table[:, ::2], ids, out[:, :8].copy())
+    assert not columns.take_prefetched(table, ids.astype(np.int32), out)
+    assert not columns.take_prefetched(table, ids, np.zeros((4, 32), np.uint8)[:, ::2])
+    assert not columns.take_prefetched(table, ids, np.zeros((4, 16), np.int8))
+    assert not columns.take_prefetched(table, ids, np.zeros((5, 16), np.uint8))
+    assert not out.any()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_large_fetches_of_a_built_table_take_the_prefetched_gather(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    if compiled and columns._native is None:
+        pytest.skip("compiled gather not built")
+    monkeypatch.setattr(columns, "_enabled", compiled)
+    monkeypatch.setenv("ENGRAMDB_GATHER_THREADS", "1")
+    from engramdb.io import gather
+
+    monkeypatch.setattr(gather, "_threads", None)
+    ran = []
+    real = columns.take_prefetched
+
+    def spy(*a: np.ndarray) -> bool:
+        ran.append(real(*a))
+        return ran[-1]
+
+    monkeypatch.setattr(gather, "take_prefetched", spy)
+    rows = rng.integers(0, 256, (20_000, 160), dtype=np.uint8)
+    engramdb.build(tmp_path / "db", "t", 160, [rows])
+    with engramdb.open(tmp_path / "db", backend="mmap") as d:
+        st = d["t"]
+        for size in (1, 16, 200, 5000):
+            ids = rng.integers(0, 20_000, size)
+            assert np.array_equal(st.fetch(ids), rows[ids]), size
+    assert ran and all(r is compiled for r in ran)  # the batches of 16 KiB or more

@@ -1,13 +1,19 @@
-/* engramdb.io._columns: one pass over a batch of row ids that assembles each output row
- * from several column sources (an attached table's 256 B weight row + 8 B scale row).
+/* engramdb.io._columns: compiled gathers of table rows.
  *
- * numpy has no gather into a strided destination: np.take needs a contiguous `out`, so a
- * row made of two columns costs a gather per column plus a strided copy of each (~0.6-0.75x
- * of one gather of whole rows here). This loop copies every column of row i straight into
- * place and prefetches the source lines of row i + AHEAD, so the extra random access of the
- * second column overlaps the first's (~0.9-0.97x of one whole-row gather).
+ * take_rows: rows of one table. np.take copies row after row, so its misses queue one row
+ * at a time behind the CPU's own look-ahead; this loop asks for the source lines of the row
+ * AHEAD rows on (into L2) while it copies the current one, so rows that miss the CPU caches
+ * (a table far larger than the last-level cache) arrive 1.2-1.3x faster on this VM, and
+ * 8-byte-aligned rows (an attached safetensors tensor) as fast as np.take's aligned ones.
  *
- * Optional: the package works without it (engramdb.io.gather falls back to numpy chunks).
+ * take: rows assembled from several column sources (an attached table's 256 B weight row +
+ * 8 B scale row). numpy has no gather into a strided destination: np.take needs a
+ * contiguous `out`, so a row made of two columns costs a gather per column plus a strided
+ * copy of each. This loop copies every column straight into place, column by column within
+ * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the columns'
+ * passes), each column with its own prefetch stream.
+ *
+ * Optional: the package works without it (engramdb.io.gather falls back to numpy).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,7 +21,8 @@
 #include <string.h>
 
 #define MAX_COLUMNS 8
-#define AHEAD 12 /* rows ahead whose source lines are prefetched */
+#define AHEAD 32 /* rows ahead whose source lines are prefetched */
+#define CHUNK 256 /* rows per chunk of a several-column gather */
 
 typedef struct {
     const uint8_t *base;
@@ -23,6 +30,42 @@ typedef struct {
     Py_ssize_t rows;
     Py_ssize_t start;
 } column_t;
+
+/* Asks for the source lines of row q (in range) of every column (into L2: prefetcht2). */
+static inline void prefetch_row(const column_t *cols, Py_ssize_t k, int64_t q) {
+    for (Py_ssize_t c = 0; c < k; c++) {
+        const uint8_t *p = cols[c].base + q * cols[c].width;
+        for (Py_ssize_t b = 0; b < cols[c].width; b += 64) __builtin_prefetch(p + b, 0, 1);
+        __builtin_prefetch(p + cols[c].width - 1, 0, 1);
+    }
+}
+
+/* One source: rows of width w, the lines of row i + AHEAD asked for while row i is copied. */
+static Py_ssize_t take_one(uint8_t *out, const uint8_t *base, Py_ssize_t rows, Py_ssize_t w,
+                           const int64_t *ids, Py_ssize_t n) {
+    Py_ssize_t first = n < AHEAD ? n : AHEAD;
+    for (Py_ssize_t i = 0; i < first; i++) {
+        if ((uint64_t)ids[i] >= (uint64_t)rows) continue;
+        const uint8_t *p = base + ids[i] * w;
+        for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
+        __builtin_prefetch(p + w - 1, 0, 1);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows) {
+            const uint8_t *p = base + ids[i + AHEAD] * w;
+            for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
+            __builtin_prefetch(p + w - 1, 0, 1);
+        }
+        if ((uint64_t)ids[i] >= (uint64_t)rows) return i;
+        memcpy(out + i * w, base + ids[i] * w, (size_t)w);
+    }
+    return -1;
+}
+
+static inline void prefetch_src(const uint8_t *p, Py_ssize_t w) {
+    for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
+    __builtin_prefetch(p + w - 1, 0, 1);
+}
 
 static void release_all(Py_buffer *views, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&views[i]);
@@ -87,28 +130,38 @@ static PyObject *take(PyObject *self, PyObject *args) {
     Py_ssize_t n = ids_view->len / 8;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
-            int64_t q = ids[i + AHEAD];
-            for (Py_ssize_t c = 0; c < k; c++) {
-                if ((uint64_t)q >= (uint64_t)cols[c].rows) continue;
-                const uint8_t *p = cols[c].base + q * cols[c].width;
-                for (Py_ssize_t b = 0; b < cols[c].width; b += 64) __builtin_prefetch(p + b);
-                __builtin_prefetch(p + cols[c].width - 1);
-            }
-        }
-        int64_t r = ids[i];
-        uint8_t *dst = out + i * row_bytes;
-        for (Py_ssize_t c = 0; c < k; c++) {
-            if ((uint64_t)r >= (uint64_t)cols[c].rows) {
-                bad = i;
-                break;
-            }
-        }
-        if (bad >= 0) break;
-        for (Py_ssize_t c = 0; c < k; c++)
-            memcpy(dst + cols[c].start, cols[c].base + r * cols[c].width, (size_t)cols[c].width);
+    if (k == 1) {
+        bad = take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n);
+        goto done;
     }
+    Py_ssize_t rows = cols[0].rows;
+    for (Py_ssize_t c = 1; c < k; c++)
+        if (cols[c].rows < rows) rows = cols[c].rows;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)rows) {
+            bad = i;
+            n = i; /* rows before the bad id are written, none after */
+            break;
+        }
+    /* column by column within chunks of CHUNK rows (their output lines stay in L1/L2
+     * between the columns' passes): each pass is one source's gather with its own
+     * prefetch stream, so a narrow column's misses do not queue behind a wide one's */
+    for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {
+        Py_ssize_t hi = lo + CHUNK < n ? lo + CHUNK : n;
+        for (Py_ssize_t c = 0; c < k; c++) {
+            const uint8_t *base = cols[c].base;
+            Py_ssize_t w = cols[c].width;
+            uint8_t *dst = out + cols[c].start;
+            if (lo == 0)
+                for (Py_ssize_t i = 0; i < (n < AHEAD ? n : AHEAD); i++)
+                    prefetch_src(base + ids[i] * w, w);
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                if (i + AHEAD < n) prefetch_src(base + ids[i + AHEAD] * w, w);
+                memcpy(dst + i * row_bytes, base + ids[i] * w, (size_t)w);
+            }
+        }
+    }
+done:
     Py_END_ALLOW_THREADS
     release_all(views, held);
     Py_DECREF(seq);
@@ -119,7 +172,56 @@ fail:
     return NULL;
 }
 
+/* take_rows(out, table, width, ids) -> -1 when every id was in range, else the position of
+ * the first id out of range (rows before it are written, none after).
+ *   out:   writable C-contiguous buffer of len(ids) * width bytes
+ *   table: C-contiguous buffer of rows * width bytes
+ *   ids:   C-contiguous buffer of int64 row ids */
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *table_obj, *ids_obj;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOnO", &out_obj, &table_obj, &width, &ids_obj)) return NULL;
+    Py_buffer views[3];
+    int held = 0;
+    if (PyObject_GetBuffer(table_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    held++;
+    if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    held++;
+    if (PyObject_GetBuffer(out_obj, &views[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto fail;
+    held++;
+    if (width <= 0 || views[0].len % width != 0 || views[1].len % 8 != 0 ||
+        views[2].len != views[1].len / 8 * width) {
+        PyErr_Format(PyExc_ValueError,
+                     "width %zd: table of %zd bytes, %zd bytes of ids, out of %zd bytes", width,
+                     views[0].len, views[1].len, views[2].len);
+        goto fail;
+    }
+    Py_ssize_t bad;
+    {
+        const uint8_t *base = (const uint8_t *)views[0].buf;
+        const int64_t *ids = (const int64_t *)views[1].buf;
+        uint8_t *out = (uint8_t *)views[2].buf;
+        Py_ssize_t n = views[1].len / 8, rows = views[0].len / width;
+        if (n * width >= (1 << 16)) {
+            Py_BEGIN_ALLOW_THREADS
+            bad = take_one(out, base, rows, width, ids, n);
+            Py_END_ALLOW_THREADS
+        } else {
+            bad = take_one(out, base, rows, width, ids, n);
+        }
+    }
+    release_all(views, held);
+    return PyLong_FromSsize_t(bad);
+fail:
+    release_all(views, held);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"take_rows", take_rows, METH_VARARGS,
+     "take_rows(out, table, width, ids) -> -1, or the position of the first id out of range.\n"
+     "out[i] = row ids[i] of a table of width-byte rows, prefetching rows ahead."},
     {"take", take, METH_VARARGS,
      "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
      "Rows of int64 ids assembled from (source, width) columns into out."},

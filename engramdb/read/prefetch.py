@@ -38,6 +38,7 @@ import numpy as np
 from engramdb.errors import EngramDBError, InvalidArgument, StoreClosed
 from engramdb.io.advise import willneed_rows
 from engramdb.io.foreground import FOREGROUND
+from engramdb.io.gather import take_one
 from engramdb.io.select import cold_backend
 from engramdb.read.cache import RowCache
 from engramdb.read.plan import GeometryLike, ReadPlan, assemble
@@ -438,7 +439,7 @@ class Prefetcher:
         store.note_buffered_read()  # a table that fits starts its background warm (once)
         with FOREGROUND.reading():  # a future step's rows: the background warm reads around it
             willneed_rows(int(table.ctypes.data), ids, store.row_bytes)
-            table.take(ids, 0, rows, "clip")
+            take_one(table, ids, rows)
         return True
 
     def close(self) -> None:

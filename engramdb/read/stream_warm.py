@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engramdb.errors import ReadError, StoreClosed
+from engramdb.io.gather import take_one
 from engramdb.io.mapping import (
     MADV_RANDOM,
     MADV_SEQUENTIAL,
@@ -150,7 +151,7 @@ class TableWarm:
         if self.done or self._serve_now:
             if self.error is not None:
                 raise self.error
-            np.take(self._arr, rows, axis=0, out=out2d, mode="clip")
+            take_one(self._arr, rows, out2d)
             return
         p = self._pending(rows, out2d)
         while p.got < self._n_chunks:

@@ -36,7 +36,7 @@ from engramdb.disk.files import open_shards
 from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
 from engramdb.io.foreground import FOREGROUND
-from engramdb.io.gather import SplitDecision
+from engramdb.io.gather import SplitDecision, take_one
 from engramdb.io.mapping import ShardMapping
 from engramdb.io.residency import resident_count
 from engramdb.io.select import AutoBackend
@@ -450,7 +450,7 @@ class LocalTable(RowTable):
             dt = time.perf_counter() - t0
         elif serial:
             t0 = time.perf_counter()
-            np.take(table, flat, axis=0, out=out2d, mode="clip")
+            take_one(table, flat, out2d)
             dt = time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
