@@ -68,7 +68,8 @@ def take_columns(columns: list[tuple[np.ndarray, int]], ids: np.ndarray, out2d: 
 
 
 def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
-    """``out[i] = table[ids[i]]`` (``table`` a C-contiguous 2-D array, ``ids`` int64,
+    """``out[i] = table[ids[i]]`` (``table`` a C-contiguous 2-D array, ``ids`` int64 or a
+    narrower integer type,
     ``out`` C-contiguous with ``len(ids)`` rows of the table's) in one compiled pass that
     asks for the source lines of the row 32 ahead (into L2) while it copies the current
     one: rows that miss the CPU caches (a table far larger than the last-level cache) come
@@ -77,6 +78,8 @@ def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool
     it; raises `RowIdOutOfRange` for an id past the table (rows before it are written)."""
     if not native_enabled():
         return False
+    if ids.dtype != np.int64 and ids.dtype.kind in "iu" and ids.dtype.itemsize <= 4:
+        ids = ids.astype(np.int64)  # a narrower id array (a window's ranks): one cheap pass
     if not (
         ids.dtype == np.int64
         and ids.flags.c_contiguous

@@ -31,6 +31,7 @@ import numpy as np
 
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
+from engramdb.io.gather import take_one
 from engramdb.io.mapping import prefault
 from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
@@ -457,7 +458,7 @@ class WindowStream:
                     shape = tokens.shape + (heads, rb)
                     e = self._out[: int(np.prod(shape))].reshape(shape)
                     rank = ranks.rank(rows_of(tokens).reshape(-1))
-                    np.take(self._compact, rank, axis=0, out=e.reshape(-1, rb), mode="clip")
+                    take_one(self._compact, rank, e.reshape(-1, rb))
                     if j == last:  # the window's rows are no longer needed: load the next
                         with self._cond:
                             self._free = True
