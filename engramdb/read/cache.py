@@ -32,6 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from engramdb.errors import InvalidArgument
+from engramdb.io.gather import take_one
 from engramdb.stats import Stats
 
 _EMPTY = np.int64(-1)
@@ -213,7 +214,7 @@ class RowCache:
             if n_hit:
                 hs = slots[hit]
                 if n_hit == ids.size:
-                    np.take(self.data, hs, axis=0, out=out, mode="clip")
+                    take_one(self.data, hs, out)
                 else:
                     out[hit] = self.data[hs]
                 self.ref[hs] = 1

@@ -28,6 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from engramdb.errors import InvalidArgument, InvalidDtype, InvalidLayout, ShapeMismatch
+from engramdb.io.gather import take_one
 from engramdb.validate import as_rowids, check_bounds
 
 __all__ = [
@@ -240,7 +241,7 @@ def assemble(plan: ReadPlan, scratch: np.ndarray, out: np.ndarray) -> None:
     flat = scratch.reshape(-1)
     if plan.row_scratch is None:
         rows = flat[: plan.n_unique * rb].reshape(plan.n_unique, rb)
-        np.take(rows, plan.inverse, axis=0, out=out2d, mode="clip")
+        take_one(rows, plan.inverse, out2d)
         return
     windows = np.lib.stride_tricks.as_strided(
         flat, shape=(flat.shape[0] - rb + 1, rb), strides=(1, 1), writeable=False
