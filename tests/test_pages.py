@@ -193,3 +193,35 @@ def test_prefault_commits_the_pages_of_a_fresh_buffer() -> None:
     assert int(buf[::4096].sum()) == 7 * buf[::4096].size
     small = np.empty(1000, np.uint8)
     assert prefault(small) is small  # under 1 MiB: left to fault in
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no THP"
+)
+def test_small_pages_turns_huge_pages_off_for_a_buffer() -> None:
+    import mmap
+
+    from engramdb.io.mapping import PAGE, small_pages
+
+    region = mmap.mmap(-1, 16 << 20)
+    buf = np.frombuffer(region, np.uint8)[PAGE:]  # whole pages inside, from its second
+    assert "nh" not in _vm_flags(int(buf.ctypes.data))
+    assert small_pages(buf) is buf
+    assert "nh" in _vm_flags(int(buf.ctypes.data))  # MADV_NOHUGEPAGE on its pages
+    buf[:] = 3
+    assert int(buf[-1]) == 3
+    assert small_pages(np.zeros(10, np.uint8)).size == 10  # a small array: left alone

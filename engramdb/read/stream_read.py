@@ -32,7 +32,7 @@ import numpy as np
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
 from engramdb.io.gather import take_one
-from engramdb.io.mapping import prefault
+from engramdb.io.mapping import prefault, small_pages
 from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
 __all__ = ["DeviceProfile", "RunReader", "WindowStream", "calibrate"]
@@ -324,7 +324,7 @@ class WindowStream:
         self._id_bytes = 8  # per token
         cap_rows = max(self._window_bytes // rb, slot_bytes // rb, 1)
         # Virtual until touched: a window commits only the rows it holds.
-        self._compact = np.empty((cap_rows, rb), np.uint8)
+        self._compact = small_pages(np.empty((cap_rows, rb), np.uint8))
         self._committed = 0  # the most rows any window held (their pages stay committed)
         self._stats = stats
         stats.update(
