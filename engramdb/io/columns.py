@@ -69,13 +69,13 @@ def take_columns(columns: list[tuple[np.ndarray, int]], ids: np.ndarray, out2d: 
 
 def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
     """``out[i] = table[ids[i]]`` (``table`` a C-contiguous 2-D array, ``ids`` int64 or a
-    narrower integer type,
-    ``out`` C-contiguous with ``len(ids)`` rows of the table's) in one compiled pass that
-    asks for the source lines of the row 32 ahead (into L2) while it copies the current
-    one: rows that miss the CPU caches (a table far larger than the last-level cache) come
-    1.2-1.3x faster than ``np.take``, which waits for each row's lines in turn. False
-    (nothing written) when the loop is not built, is turned off, or an array does not fit
-    it; raises `RowIdOutOfRange` for an id past the table (rows before it are written)."""
+    narrower integer type, ``out`` C-contiguous with ``len(ids)`` rows of the table's) in
+    one compiled pass that asks for the source lines of the row 32 ahead (into L2) while it
+    copies the current one: rows that miss the CPU caches (a table far larger than the
+    last-level cache) come 1.2-1.3x faster than ``np.take``, which waits for each row's
+    lines in turn. False (nothing written) when the loop is not built, is turned off, or an
+    array does not fit it; raises `RowIdOutOfRange` for an id past the table (rows before
+    it are written)."""
     if not native_enabled():
         return False
     if ids.dtype != np.int64 and ids.dtype.kind in "iu" and ids.dtype.itemsize <= 4:
@@ -93,5 +93,6 @@ def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool
     assert _native is not None
     bad = _native.take_rows(out, table, table.shape[1] * table.itemsize, ids)
     if bad >= 0:
-        raise RowIdOutOfRange(f"row id {int(ids.reshape(-1)[bad])} out of range [0, {table.shape[0]})")
+        bad_id = int(ids.reshape(-1)[bad])
+        raise RowIdOutOfRange(f"row id {bad_id} out of range [0, {table.shape[0]})")
     return True

@@ -11,8 +11,8 @@ microseconds: a bounds check and a queue append) and a background thread reads t
   so the page-table entries exist too and the later gather runs at memory speed;
 * a decode step's rows kept on the ticket (``keep_rows``, at most `ADVISE_ROWS` rows of a
   table that is one mapped array): one ``process_madvise(MADV_WILLNEED)`` call starts every
-  row's read (`engramdb.io.advise.willneed_rows`), then one ``np.take`` from the mapping
-  gathers them as they arrive. Both calls release the GIL: a few microseconds of Python a
+  row's read (`engramdb.io.advise.willneed_rows`), then one gather from the mapping
+  (`engramdb.io.gather.take_one`) takes them as they arrive. Both calls release the GIL: a few microseconds of Python a
   step, where the io_uring batch holds the GIL ~0.2 ms, which a model thread waits for.
 
 A later `Store.fetch` / `fetch_into` / `lookup_into` of rows that are still being read waits for

@@ -362,7 +362,7 @@ class RecordFile(Closing):
 
         ``out`` (C-contiguous, writable) avoids the allocation (without it, a large result
         comes from a pool of buffers reused once the caller dropped them). Validation happens
-        before any byte is written. Warm: one ``np.take`` from the mapping (split across the
+        before any byte is written. Warm: one gather from the mapping (`take_one`, split across the
         gather pool only while measured timings say it pays); cold (syscall
         backends): sorted, deduplicated, adjacent slots merged into reads of up to 16 MiB.
         """

@@ -38,7 +38,7 @@ class TableWarm:
     gathered as soon as the prefix covers it, so a batch is ready the moment the last chunk
     it needs lands and a consumer with several batches in flight gathers them while the
     device reads. Once done (or from the start with ``serve_now``, for a table already in
-    the page cache), a gather is one ``np.take`` from the mapping."""
+    the page cache), a gather is one `take_one` from the mapping."""
 
     def __init__(
         self,
