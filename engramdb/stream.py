@@ -31,7 +31,7 @@ import numpy as np
 from engramdb.corpus import corpus_files, open_tokens
 from engramdb.disk.files import mem_available
 from engramdb.errors import InvalidArgument, SourceError
-from engramdb.io.mapping import prefault
+from engramdb.io.mapping import prefault, small_pages
 from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.stream_read import WindowStream
 from engramdb.read.stream_warm import Pending, TableWarm
@@ -227,7 +227,9 @@ def stream(
     hist = h.max_ngram - 1
     slot_bytes = (batch_tokens + hist) * n_heads * rb
     # committed up front: faulting a fresh buffer in page by page costs ~10x more here
-    ring = [prefault(np.empty(slot_bytes, dtype=np.uint8)) for _ in range(depth + 2)]
+    # output buffers, written in order: small pages (huge ones sometimes took ~0.2 s each
+    # to commit here)
+    ring = [prefault(small_pages(np.empty(slot_bytes, np.uint8))) for _ in range(depth + 2)]
     serial = workers > 1  # the workers are the parallelism: don't split a gather further
     if isinstance(view, str):
         open_view = getattr(store, "view", None)
@@ -289,7 +291,10 @@ def stream(
         stats["warm_lookahead_batches"] = pre
 
     def produce(i: int, tokens: np.ndarray, skip: int) -> tuple[np.ndarray, np.ndarray] | _Later:
-        buf = prefault(np.empty(slot_bytes, np.uint8)) if i < pre else ring[(i - pre) % len(ring)]
+        if i < pre:
+            buf = prefault(small_pages(np.empty(slot_bytes, np.uint8)))
+        else:
+            buf = ring[(i - pre) % len(ring)]
         shape = tokens.shape + (n_heads, rb)
         e = buf[: int(np.prod(shape))].reshape(shape)
         if view is not None:

@@ -15,7 +15,7 @@ from test_attach import V41_S, V41_W, files, v41_checkpoint
 
 import engramdb
 from engramdb.errors import RowIdOutOfRange
-from engramdb.io import columns
+from engramdb.io import columns, gather
 
 native = pytest.mark.skipif(columns._native is None, reason="compiled gather not built")
 
@@ -201,7 +201,58 @@ def test_large_fetches_of_a_built_table_take_the_prefetched_gather(
     engramdb.build(tmp_path / "db", "t", 160, [rows])
     with engramdb.open(tmp_path / "db", backend="mmap") as d:
         st = d["t"]
-        for size in (1, 16, 200, 5000):
+        for size in (1, 16, 200, 5000, 5000, 5000):
             ids = rng.integers(0, 20_000, size)
             assert np.array_equal(st.fetch(ids), rows[ids]), size
-    assert ran and all(r is compiled for r in ran)  # the batches of 16 KiB or more
+    if compiled:
+        assert ran and all(ran)  # the batches of 64 KiB or more
+    else:
+        assert not ran  # np.take: the compiled loop is not asked
+
+
+def _drive(d: gather.PrefetchDecision, ns: dict[bool, float], batches: int) -> list[bool]:
+    ways = []
+    for _ in range(batches):
+        way = d.pick()
+        ways.append(way)
+        d.report(way, ns[way])
+    return ways
+
+
+def test_prefetch_decision_switches_to_the_faster_way_and_back() -> None:
+    from engramdb.io import gather
+
+    d = gather.PrefetchDecision(True)
+    ways = _drive(d, {True: 16.0, False: 13.0}, 40)  # rows in the CPU caches
+    assert not d.on and ways[-1] is False
+    assert ways[:15] == [True] * 15  # it explored only at the 16th batch
+    _drive(d, {True: 20.0, False: 30.0}, 400)  # the table grew out of the caches
+    assert d.on
+    d2 = gather.PrefetchDecision(True)
+    _drive(d2, {True: 10.0, False: 10.1}, 200)  # no clear win: stays, explores less often
+    assert d2.on and d2.every > 16
+    d3 = gather.PrefetchDecision(True)
+    _drive(d3, {True: 10.0, False: 5000.0}, 100)  # faulted batches: left out, never chosen
+    assert d3.on and not d3.recent[False]
+
+
+def test_a_decision_per_table_starting_from_its_size() -> None:
+    from engramdb.io import gather
+
+    small = np.zeros((100, 64), np.uint8)
+    assert gather.prefetch_decision(small).on is False  # fits the last-level cache
+    assert gather.prefetch_decision(small) is gather.prefetch_decision(small)
+    big = np.lib.stride_tricks.as_strided(small, (gather.llc_bytes() // 64 + 1, 64), (0, 1))
+    assert gather.prefetch_decision(big).on is True
+
+
+@native
+def test_the_gather_without_prefetch_equals_np_take(rng: np.random.Generator) -> None:
+    table = rng.integers(0, 256, (3000, 200), dtype=np.uint8)
+    ids = rng.integers(0, 3000, 4000)
+    out = np.zeros((4000, 200), np.uint8)
+    assert columns.take_prefetched(table, ids, out, prefetch=False)
+    assert np.array_equal(out, table[ids])
+    ids[10] = -1
+    with pytest.raises(RowIdOutOfRange, match="-1"):
+        columns.take_prefetched(table, ids, out, prefetch=False)

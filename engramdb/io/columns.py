@@ -67,7 +67,9 @@ def take_columns(columns: list[tuple[np.ndarray, int]], ids: np.ndarray, out2d: 
     return True
 
 
-def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
+def take_prefetched(
+    table: np.ndarray, ids: np.ndarray, out: np.ndarray, prefetch: bool = True
+) -> bool:
     """``out[i] = table[ids[i]]`` (``table`` a C-contiguous 2-D array, ``ids`` int64 or a
     narrower integer type, ``out`` C-contiguous with ``len(ids)`` rows of the table's) in
     one compiled pass that asks for the source lines of the row 32 ahead (into L2) while it
@@ -75,7 +77,8 @@ def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool
     last-level cache) come 1.2-1.3x faster than ``np.take``, which waits for each row's
     lines in turn. False (nothing written) when the loop is not built, is turned off, or an
     array does not fit it; raises `RowIdOutOfRange` for an id past the table (rows before
-    it are written)."""
+    it are written). ``prefetch=False``: the same loop without the prefetches (rows already
+    in the CPU caches copy ~20 % faster without them)."""
     if not native_enabled():
         return False
     if ids.dtype != np.int64 and ids.dtype.kind in "iu" and ids.dtype.itemsize <= 4:
@@ -91,7 +94,7 @@ def take_prefetched(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool
     ):
         return False
     assert _native is not None
-    bad = _native.take_rows(out, table, table.shape[1] * table.itemsize, ids)
+    bad = _native.take_rows(out, table, table.shape[1] * table.itemsize, ids, prefetch)
     if bad >= 0:
         bad_id = int(ids.reshape(-1)[bad])
         raise RowIdOutOfRange(f"row id {bad_id} out of range [0, {table.shape[0]})")

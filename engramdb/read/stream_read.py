@@ -315,7 +315,7 @@ class WindowStream:
         self._region_rows = max(1, depth * max_read // rb)
         plan_bytes = 3 * self._region_rows * PLAN_BYTES_PER_ROW  # made, queued, in flight
         # One output buffer: a batch is valid until the next one is asked for.
-        self._out = prefault(np.empty(slot_bytes, np.uint8))
+        self._out = prefault(small_pages(np.empty(slot_bytes, np.uint8)))
         # Each reading thread's backend bounce buffer is as large as one of ours.
         fixed = slot_bytes + self._marks.nbytes + ranks_bytes + 2 * self._reader.nbytes + plan_bytes
         # What is left holds the window: its distinct rows and its token ids (8 B a token,
