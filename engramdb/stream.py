@@ -403,7 +403,8 @@ class Stream:
         ``batches``, ``tokens``; warm mode: ``warm_seconds``, ``warm_bytes_per_s``,
         ``resident_before``, ``warm_lookahead_batches``; windows mode: ``device`` (the
         calibration and the chosen ``merge_gap``, ``max_read``, ``depth``),
-        ``window_cap_bytes``, ``windows``, ``runs``, ``bytes_read`` (device bytes),
+        ``window_cap_bytes``, ``window_small_pages`` (its window fell back to 4 KiB pages:
+        huge ones committed too slowly), ``windows``, ``runs``, ``bytes_read`` (device bytes),
         ``payload_bytes``, ``rows_read``, ``memory_bytes`` (peak the stream holds),
         ``within_budget``."""
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}

@@ -225,3 +225,30 @@ def test_small_pages_turns_huge_pages_off_for_a_buffer() -> None:
     buf[:] = 3
     assert int(buf[-1]) == 3
     assert small_pages(np.zeros(10, np.uint8)).size == 10  # a small array: left alone
+
+
+def test_prefault_watched_commits_and_falls_back_when_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mmap
+
+    from engramdb.io import mapping
+    from engramdb.io.mapping import PAGE, mincore, prefault_watched
+
+    def committed(buf: np.ndarray) -> int:
+        pages = buf.nbytes // PAGE
+        vec = np.zeros(pages, np.uint8)
+        mincore(int(buf.ctypes.data), pages * PAGE, vec.ctypes.data)
+        return int(np.count_nonzero(vec & 1))
+
+    fast = np.frombuffer(mmap.mmap(-1, 8 << 20), np.uint8)
+    assert prefault_watched(fast, chunk=2 << 20) is False  # committed at the normal rate
+    assert committed(fast) == fast.nbytes // PAGE
+    slow = np.frombuffer(mmap.mmap(-1, 8 << 20), np.uint8)
+    ticks = iter(range(0, 10**6, 10))  # every chunk "takes" 10 s
+    monkeypatch.setattr(mapping.time, "perf_counter", lambda: float(next(ticks)))
+    assert prefault_watched(slow, chunk=2 << 20) is True  # the rest in small pages
+    assert committed(slow) == slow.nbytes // PAGE
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "nh" in _vm_flags(int(slow.ctypes.data) + (4 << 20))
+        assert "nh" not in _vm_flags(int(slow.ctypes.data))  # the first chunk kept its pages

@@ -164,13 +164,13 @@ class PrefetchDecision:
     rows again). It starts as told (`prefetch_decision`: prefetching for a table larger than
     the last-level cache); every ``every``-th batch starts a burst of `BURST`
     run the other way, and the burst's median must beat the current way's recent median by
-    3 % to switch; a burst that does not win doubles ``every`` (up to `MAX_EVERY`), a switch
+    10 % to switch (noise between threads must not flip it); a burst that does not win doubles ``every`` (up to `MAX_EVERY`), a switch
     resets it to 16. Batches slower than `FAULTED_NS` per row (page faults) are left out.
     Threads that gather one table at once share it; a race only moves a count."""
 
     BURST = 4
     KEEP = 8
-    WIN = 0.97
+    WIN = 0.9
     MAX_EVERY = 256
     FAULTED_NS = 2000.0
 

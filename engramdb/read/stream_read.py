@@ -32,7 +32,7 @@ import numpy as np
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
 from engramdb.io.gather import take_one
-from engramdb.io.mapping import prefault, small_pages
+from engramdb.io.mapping import prefault, prefault_watched, small_pages
 from engramdb.read.stream_plan import PLAN_BYTES_PER_ROW, RunPlan, WindowMarks, plan_runs
 
 __all__ = ["DeviceProfile", "RunReader", "WindowStream", "calibrate"]
@@ -324,7 +324,7 @@ class WindowStream:
         self._id_bytes = 8  # per token
         cap_rows = max(self._window_bytes // rb, slot_bytes // rb, 1)
         # Virtual until touched: a window commits only the rows it holds.
-        self._compact = small_pages(np.empty((cap_rows, rb), np.uint8))
+        self._compact = np.empty((cap_rows, rb), np.uint8)
         self._committed = 0  # the most rows any window held (their pages stay committed)
         self._stats = stats
         stats.update(
@@ -332,6 +332,7 @@ class WindowStream:
             backend=self._reader.backend.name,
             direct=self._reader.direct,
             window_cap_bytes=cap_rows * rb,
+            window_small_pages=False,
             fixed_bytes=fixed,
             memory_bytes=fixed,
             within_budget=True,
@@ -378,7 +379,8 @@ class WindowStream:
         t2 = time.perf_counter()
         n_new = marks.count
         if n_new > self._committed:  # the rows this window adds: committed in one call
-            prefault(self._compact[self._committed : n_new])
+            if prefault_watched(self._compact[self._committed : n_new]):
+                self._stats["window_small_pages"] = True
         c0 = dict(self._reader.counters)
         self._reader.load(self._plans(), self._compact)
         c1 = self._reader.counters
