@@ -204,47 +204,34 @@ def test_large_fetches_of_a_built_table_take_the_prefetched_gather(
         for size in (1, 16, 200, 5000, 5000, 5000):
             ids = rng.integers(0, 20_000, size)
             assert np.array_equal(st.fetch(ids), rows[ids]), size
-    if compiled:
-        assert ran and all(ran)  # the batches of 64 KiB or more
-    else:
-        assert not ran  # np.take: the compiled loop is not asked
+    assert ran and all(r is compiled for r in ran)  # the batches of 64 KiB or more
 
 
-def _drive(d: gather.PrefetchDecision, ns: dict[bool, float], batches: int) -> list[bool]:
-    ways = []
-    for _ in range(batches):
-        way = d.pick()
-        ways.append(way)
-        d.report(way, ns[way])
-    return ways
 
+@native
+def test_take_one_prefetches_for_tables_larger_than_the_last_level_cache(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = []
+    real = columns.take_prefetched
 
-def test_prefetch_decision_switches_to_the_faster_way_and_back() -> None:
-    from engramdb.io import gather
+    def spy(table: np.ndarray, ids: np.ndarray, out: np.ndarray, prefetch: bool = True) -> bool:
+        asked.append(prefetch)
+        return real(table, ids, out, prefetch)
 
-    d = gather.PrefetchDecision(True)
-    ways = _drive(d, {True: 16.0, False: 13.0}, 40)  # rows in the CPU caches
-    assert not d.on and ways[-1] is False
-    assert ways[:15] == [True] * 15  # it explored only at the 16th batch
-    _drive(d, {True: 20.0, False: 30.0}, 400)  # the table grew out of the caches
-    assert d.on
-    d2 = gather.PrefetchDecision(True)
-    _drive(d2, {True: 10.0, False: 10.1}, 200)  # no clear win: stays, explores less often
-    assert d2.on and d2.every > 16
-    d3 = gather.PrefetchDecision(True)
-    _drive(d3, {True: 10.0, False: 5000.0}, 100)  # faulted batches: left out, never chosen
-    assert d3.on and not d3.recent[False]
-
-
-def test_a_decision_per_table_starting_from_its_size() -> None:
-    from engramdb.io import gather
-
-    small = np.zeros((100, 64), np.uint8)
-    assert gather.prefetch_decision(small).on is False  # fits the last-level cache
-    assert gather.prefetch_decision(small) is gather.prefetch_decision(small)
-    big = np.lib.stride_tricks.as_strided(small, (gather.llc_bytes() // 64 + 1, 64), (0, 1))
-    assert gather.prefetch_decision(big).on is True
-
+    monkeypatch.setattr(gather, "take_prefetched", spy)
+    table = rng.integers(0, 256, (4000, 256), dtype=np.uint8)  # 1 MiB
+    ids = rng.integers(0, 4000, 1000)  # 256 KiB of rows
+    out = np.zeros((1000, 256), np.uint8)
+    for llc, want in ((64 << 20, False), (512 << 10, True)):
+        monkeypatch.setattr(gather, "_llc", llc)
+        gather.take_one(table, ids, out)
+        assert asked[-1] is want and np.array_equal(out, table[ids])
+    n = len(asked)
+    gather.take_one(table, ids[:10], out[:10])  # 2.5 KiB: np.take
+    assert len(asked) == n and np.array_equal(out[:10], table[ids[:10]])
+    monkeypatch.setattr(gather, "_llc", None)
+    assert gather.llc_bytes() >= 1 << 20  # read from sysfs (or the 32 MiB default)
 
 @native
 def test_the_gather_without_prefetch_equals_np_take(rng: np.random.Generator) -> None:

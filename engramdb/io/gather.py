@@ -8,9 +8,9 @@ batches, not from the core count. Small batches stay on the calling thread: hand
 a pool costs ~20 us.
 
 Each thread's part is `take_one`: the compiled gather (`engramdb.io.columns.take_prefetched`)
-for batches of 64 KiB or more, prefetching rows ahead where that measured faster for the
-table (`PrefetchDecision`: 1.2-1.3x ``np.take`` where rows miss the CPU caches, up to ~20 %
-slower where they hit); ``np.take`` below that or where it is not built.
+for batches of 64 KiB or more, prefetching rows ahead for a table larger than the
+last-level cache (1.2-1.3x ``np.take`` where rows miss the CPU caches; ~20 % slower where
+they hit); ``np.take`` below that or where it is not built.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from engramdb.io.columns import native_enabled, take_prefetched
+from engramdb.io.columns import take_prefetched
 
 #: Batches smaller than this many bytes are gathered on the calling thread.
 PARALLEL_MIN_BYTES = 512 * 1024
@@ -151,70 +151,9 @@ class SplitDecision:
         return dt
 
 
-#: Batches of at least this many bytes go through the compiled gather (timed, each way
-#: chosen per table); below it ``np.take``, whose call costs less.
+#: Batches of at least this many bytes go through the compiled gather; below it
+#: ``np.take``, whose call costs less.
 PREFETCH_MIN_BYTES = 64 * 1024
-
-
-class PrefetchDecision:
-    """Whether one table's large gathers prefetch rows ahead, decided from the timings of its
-    own batches (ns per row, the last `KEEP` of each way), not assumed: prefetching gains
-    1.2-1.3x where rows miss the CPU caches (a table far larger than the last-level cache,
-    mapped in 4 KiB pages) and loses up to ~20 % where they hit (a small table, or the same
-    rows again). It starts as told (`prefetch_decision`: prefetching for a table larger than
-    the last-level cache); every ``every``-th batch starts a burst of `BURST`
-    run the other way, and the burst's median must beat the current way's recent median by
-    10 % to switch (noise between threads must not flip it); a burst that does not win doubles ``every`` (up to `MAX_EVERY`), a switch
-    resets it to 16. Batches slower than `FAULTED_NS` per row (page faults) are left out.
-    Threads that gather one table at once share it; a race only moves a count."""
-
-    BURST = 4
-    KEEP = 8
-    WIN = 0.9
-    MAX_EVERY = 256
-    FAULTED_NS = 2000.0
-
-    __slots__ = ("burst", "count", "every", "on", "recent")
-
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
-        self.count = 0
-        self.every = 16
-        self.burst = 0
-        self.recent: dict[bool, deque[float]] = {
-            True: deque(maxlen=self.KEEP),
-            False: deque(maxlen=self.KEEP),
-        }
-
-    def pick(self) -> bool:
-        """Whether the next batch prefetches."""
-        if self.burst:
-            return not self.on
-        self.count += 1
-        if self.count % self.every == 0:
-            self.burst = self.BURST
-            return not self.on
-        return self.on
-
-    def report(self, way: bool, ns_per_row: float) -> None:
-        """One batch's time, run ``way``."""
-        if ns_per_row > self.FAULTED_NS:
-            return
-        self.recent[way].append(ns_per_row)
-        if way == self.on or not self.burst:
-            return
-        self.burst -= 1
-        if self.burst:
-            return
-        burst = list(self.recent[way])[-self.BURST :]
-        cur = self.recent[self.on]
-        if cur and float(np.median(burst)) < self.WIN * float(np.median(cur)):
-            self.on, self.every = way, 16
-        else:
-            self.every = min(self.MAX_EVERY, self.every * 2)
-
-
-_decisions: dict[tuple[int, int, int], PrefetchDecision] = {}
 
 
 _llc: int | None = None
@@ -244,33 +183,18 @@ def llc_bytes() -> int:
     return _llc
 
 
-def prefetch_decision(table: np.ndarray) -> PrefetchDecision:
-    """The `PrefetchDecision` of the table at ``table``'s address and shape (at most 256
-    kept: past that they start over). A new one starts prefetching where the table is
-    larger than the last-level cache (`llc_bytes`), where its rows mostly miss it."""
-    key = (int(table.ctypes.data), table.shape[0], table.shape[1])
-    d = _decisions.get(key)
-    if d is None:
-        if len(_decisions) >= 256:
-            _decisions.clear()
-        d = _decisions[key] = PrefetchDecision(table.nbytes > llc_bytes())
-    return d
-
-
 def take_one(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = table[ids[i]]`` on the calling thread, for in-range int64 ``ids``: the
     compiled gather (`engramdb.io.columns.take_prefetched`) for batches of
     `PREFETCH_MIN_BYTES` or more, where it is built and the arrays fit it, prefetching rows
-    ahead or not as the table's `PrefetchDecision` measured faster; ``np.take(mode="clip")``
-    otherwise (``mode="raise"`` copies through a temporary; the ids are in range, so
-    clipping never changes a row)."""
-    if ids.size * table.shape[1] * table.itemsize >= PREFETCH_MIN_BYTES and native_enabled():
-        d = prefetch_decision(table)
-        way = d.pick()
-        t0 = time.perf_counter()
-        if take_prefetched(table, ids, out, way):
-            d.report(way, (time.perf_counter() - t0) * 1e9 / ids.size)
-            return
+    ahead for a table larger than the last-level cache (`llc_bytes`), whose rows mostly miss
+    it, and not for a smaller one, whose rows mostly hit it (where the prefetches cost
+    ~20 %); ``np.take(mode="clip")`` otherwise (``mode="raise"`` copies through a
+    temporary; the ids are in range, so clipping never changes a row)."""
+    if ids.size * table.shape[1] * table.itemsize >= PREFETCH_MIN_BYTES and take_prefetched(
+        table, ids, out, table.nbytes > llc_bytes()
+    ):
+        return
     table.take(ids, 0, out, "clip")  # the method: no dispatch wrapper (~0.7 us)
 
 
