@@ -31,48 +31,33 @@ typedef struct {
     Py_ssize_t start;
 } column_t;
 
-/* Asks for the source lines of row q (in range) of every column (into L2: prefetcht2). */
-static inline void prefetch_row(const column_t *cols, Py_ssize_t k, int64_t q) {
-    for (Py_ssize_t c = 0; c < k; c++) {
-        const uint8_t *p = cols[c].base + q * cols[c].width;
-        for (Py_ssize_t b = 0; b < cols[c].width; b += 64) __builtin_prefetch(p + b, 0, 1);
-        __builtin_prefetch(p + cols[c].width - 1, 0, 1);
-    }
+/* Asks for the source lines of a row of w bytes at p (into L2: prefetcht2). */
+static inline void prefetch_src(const uint8_t *p, Py_ssize_t w) {
+    for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
+    __builtin_prefetch(p + w - 1, 0, 1);
 }
 
-/* One source: rows of width w, the lines of row i + AHEAD asked for while row i is copied. */
+/* One source: rows of width w, the lines of row i + AHEAD asked for while row i is copied
+ * (without prefetch, a plain copy loop: rows already in the CPU caches copy faster). */
 static Py_ssize_t take_one(uint8_t *out, const uint8_t *base, Py_ssize_t rows, Py_ssize_t w,
-                           const int64_t *ids, Py_ssize_t n) {
+                           const int64_t *ids, Py_ssize_t n, int prefetch) {
     Py_ssize_t first = n < AHEAD ? n : AHEAD;
-    if (w <= 0) { /* no prefetch: rows already in the CPU caches copy faster without it */
-        w = -w;
+    if (!prefetch) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if ((uint64_t)ids[i] >= (uint64_t)rows) return i;
             memcpy(out + i * w, base + ids[i] * w, (size_t)w);
         }
         return -1;
     }
-    for (Py_ssize_t i = 0; i < first; i++) {
-        if ((uint64_t)ids[i] >= (uint64_t)rows) continue;
-        const uint8_t *p = base + ids[i] * w;
-        for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
-        __builtin_prefetch(p + w - 1, 0, 1);
-    }
+    for (Py_ssize_t i = 0; i < first; i++)
+        if ((uint64_t)ids[i] < (uint64_t)rows) prefetch_src(base + ids[i] * w, w);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows) {
-            const uint8_t *p = base + ids[i + AHEAD] * w;
-            for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
-            __builtin_prefetch(p + w - 1, 0, 1);
-        }
+        if (i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows)
+            prefetch_src(base + ids[i + AHEAD] * w, w);
         if ((uint64_t)ids[i] >= (uint64_t)rows) return i;
         memcpy(out + i * w, base + ids[i] * w, (size_t)w);
     }
     return -1;
-}
-
-static inline void prefetch_src(const uint8_t *p, Py_ssize_t w) {
-    for (Py_ssize_t b = 0; b < w; b += 64) __builtin_prefetch(p + b, 0, 1);
-    __builtin_prefetch(p + w - 1, 0, 1);
 }
 
 static void release_all(Py_buffer *views, int n) {
@@ -139,7 +124,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
     if (k == 1) {
-        bad = take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n);
+        bad = take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n, 1);
         goto done;
     }
     Py_ssize_t rows = cols[0].rows;
@@ -214,13 +199,12 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
         const int64_t *ids = (const int64_t *)views[1].buf;
         uint8_t *out = (uint8_t *)views[2].buf;
         Py_ssize_t n = views[1].len / 8, rows = views[0].len / width;
-        Py_ssize_t w = prefetch ? width : -width; /* take_one: a negative width, no prefetch */
         if (n * width >= (1 << 16)) {
             Py_BEGIN_ALLOW_THREADS
-            bad = take_one(out, base, rows, w, ids, n);
+            bad = take_one(out, base, rows, width, ids, n, prefetch);
             Py_END_ALLOW_THREADS
         } else {
-            bad = take_one(out, base, rows, w, ids, n);
+            bad = take_one(out, base, rows, width, ids, n, prefetch);
         }
     }
     release_all(views, held);

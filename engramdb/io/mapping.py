@@ -136,6 +136,19 @@ def touch_pages(addr: int, length: int) -> None:
         view[first::PAGE].max()
 
 
+def _whole_pages(buf: np.ndarray, *, writable: bool) -> tuple[int, int] | None:
+    """``(lo, hi)``: the page-aligned span of the whole pages inside ``buf``, a C-contiguous
+    array of 1 MiB or more (writable if asked); None for anything else or no whole page."""
+    if buf.nbytes < 1 << 20 or not buf.flags.c_contiguous:
+        return None
+    if writable and not buf.flags.writeable:
+        return None
+    a = int(buf.ctypes.data)
+    lo = _round_up(a, PAGE)
+    hi = (a + buf.nbytes) // PAGE * PAGE
+    return (lo, hi) if hi > lo else None
+
+
 def prefault(buf: np.ndarray) -> np.ndarray:
     """Commit the whole pages inside ``buf`` (a fresh, writable C-contiguous array) in one
     call (``MADV_POPULATE_WRITE``, Linux 5.14+; a no-op elsewhere), and return ``buf``.
@@ -143,15 +156,12 @@ def prefault(buf: np.ndarray) -> np.ndarray:
     Touching a fresh buffer page by page takes one page fault per 4 KiB; on this VM a fault
     costs ~6 us, so writing a fresh GB costs 1.7 s against 0.13 s populated in one call
     (measured: 48 buffers of 21 MB). Only for buffers about to be written in full."""
-    if buf.nbytes >= 1 << 20 and buf.flags.c_contiguous and buf.flags.writeable:
-        a = int(buf.ctypes.data)
-        lo = _round_up(a, PAGE)
-        hi = (a + buf.nbytes) // PAGE * PAGE
-        if hi > lo:
-            try:
-                madvise(lo, hi - lo, MADV_POPULATE_WRITE)
-            except OSError:
-                pass  # an older kernel: the pages fault in as they are written
+    span = _whole_pages(buf, writable=True)
+    if span is not None:
+        try:
+            madvise(span[0], span[1] - span[0], MADV_POPULATE_WRITE)
+        except OSError:
+            pass  # an older kernel: the pages fault in as they are written
     return buf
 
 
@@ -164,15 +174,12 @@ def small_pages(buf: np.ndarray) -> np.ndarray:
     page cache: there, a stream's first 1.2 GB window took 7-14 s to commit and load in huge
     pages against 2.1-2.6 s in small pages (`probes/stream.py`, the over-budget arm right
     after the memmap arm), with the same rate after it."""
-    if buf.nbytes >= 1 << 20 and buf.flags.c_contiguous:
-        a = int(buf.ctypes.data)
-        lo = _round_up(a, PAGE)
-        hi = (a + buf.nbytes) // PAGE * PAGE
-        if hi > lo:
-            try:
-                madvise(lo, hi - lo, MADV_NOHUGEPAGE)
-            except OSError:
-                pass  # a kernel without transparent huge pages
+    span = _whole_pages(buf, writable=False)
+    if span is not None:
+        try:
+            madvise(span[0], span[1] - span[0], MADV_NOHUGEPAGE)
+        except OSError:
+            pass  # a kernel without transparent huge pages
     return buf
 
 
@@ -185,12 +192,10 @@ def prefault_watched(
     must first assemble from fragmented memory: 5-12 s for a 1.2 GB stream window here,
     against ~0.1 s normally), the rest is committed in small pages (`small_pages`). Returns
     whether it fell back."""
-    if buf.nbytes < 1 << 20 or not buf.flags.c_contiguous or not buf.flags.writeable:
+    span = _whole_pages(buf, writable=True)
+    if span is None:
         return False
-    a = int(buf.ctypes.data)
-    lo = _round_up(a, PAGE)
-    hi = (a + buf.nbytes) // PAGE * PAGE
-    pos = lo
+    pos, hi = span
     while pos < hi:
         n = min(chunk, hi - pos)
         t0 = time.perf_counter()
