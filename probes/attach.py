@@ -13,7 +13,9 @@ attached tables against the same tables built, in the same run.
    tensors); ``w_built`` / ``ws_built`` are the same rows built (``build --from-attached``).
    Warm (populated; ``ws`` also loads its 8 B scale column into RAM, checked; single-thread
    baseline ``np.take`` on the built mapping first): 16 batches of 16,384 random ids through
-   ``fetch_into`` per repetition. Cold: a fresh process per arm and repetition opens the
+   ``fetch_into`` per repetition, the CPU caches flushed before every arm (`CacheFlush`: the
+   arms read the same rows, and the 480 MiB last-level cache here would otherwise hand an
+   arm the rows the arm before it read). Cold: a fresh process per arm and repetition opens the
    database (an attached ``ws`` loads its scale column, timed and reported, not in the
    timed batch), drops its own mapped pages, evicts the files with POSIX_FADV_DONTNEED (no
    global drop_caches), checks residency < 1 %, then times one batch of 16,384 random ids
@@ -39,7 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleave, median, vm_hwm_mb, write_json  # noqa: E402
+from common import CacheFlush, interleave, median, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb.build.attach import materialize  # noqa: E402
@@ -235,6 +237,12 @@ def main() -> None:
             # every region they touched, and the comparison would time the TLB)
             for st in t.values():
                 st.populate()  # attached ws: also loads its 8 B scale column into RAM
+            # one CPU read of every byte of every file: on this VM the first CPU touch of
+            # memory the device wrote is slow (a first repetition at 0.3 M rows/s, seen)
+            for p in {p for st in t.values() for p in table_files(st)}:
+                m = np.memmap(p, np.uint8, "r")
+                int(m[: m.size // 8 * 8].view(np.uint64).max())
+                del m
             for k in ("w", "ws"):  # correctness before timing
                 want = t[f"{k}_built"].fetch(ids[0])
                 assert np.array_equal(t[k].fetch(ids[0]), want), k
@@ -278,7 +286,13 @@ def main() -> None:
             cpu: dict[str, list[float]] = {}
             print(f"warm, {gib} GiB, batches of {BATCH} random ids, fetch_into (rows/s):")
             arms = {"np.take(built)": take_ref, **{k: warm(k) for k in t}}
-            w = interleave(arms, reps)
+            flush = CacheFlush()  # every arm starts with the rows in memory, not in the LLC
+            for f in arms.values():  # one untimed round (the first timed arm ran ~0.8x)
+                flush()
+                f()
+            cpu.clear()
+            w = interleave(arms, reps, before=flush)
+            flush()
             w["np.take(built) last"] = [take_ref()]
             tables = {k: (st.db_path, st.name) for k, st in t.items()}
         print(

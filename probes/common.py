@@ -42,17 +42,43 @@ def rate(fn: Callable[[], int], seconds: float) -> float:
             return done / dt
 
 
+class CacheFlush:
+    """Evicts the CPU caches between timed arms: one read of a populated buffer twice the
+    last-level cache. The arms of a warm probe gather the same ids from the same files; on
+    a machine whose last-level cache is large (480 MiB here) an arm that runs right after
+    one that read the same rows finds them there, and the ABBA order then decides which
+    arm wins. Flushed, every arm starts from main memory, as a model's lookup does after
+    the step's own work has gone through the cache."""
+
+    def __init__(self, nbytes: int | None = None):
+        import numpy as np
+
+        from engramdb.io.gather import llc_bytes
+
+        n = nbytes if nbytes is not None else 2 * llc_bytes()
+        self.nbytes = n
+        self._buf = np.ones(n // 8, np.uint64)  # written once: populated
+
+    def __call__(self) -> None:
+        self._buf.max()
+
+
 def interleave(
-    arms: dict[str, Callable[[], float]], reps: int, echo: Callable[[str], None] = print
+    arms: dict[str, Callable[[], float]],
+    reps: int,
+    echo: Callable[[str], None] = print,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
     """Run each arm once per repetition, alternating the order (ABAB / BABA), and print
-    every figure. The first arm is also run once more at the very end (baseline drift)."""
+    every figure; ``before`` (e.g. a `CacheFlush`) runs, untimed, before every arm."""
     names = list(arms)
     results: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
         order = names if r % 2 == 0 else names[::-1]
         row = []
         for n in order:
+            if before is not None:
+                before()
             v = arms[n]()
             results[n].append(v)
             row.append(f"{n}={v / 1e6:.2f}M")

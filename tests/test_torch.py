@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -412,3 +413,73 @@ def test_resident_fast_path_validates_and_equals_the_table(tmp_path: Path) -> No
             m(over[:1, :1].clone())
         with pytest.raises(RowIdOutOfRange):
             m(-step_edge - 1)
+
+
+@pytest.mark.parametrize("hint,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16)])
+def test_resident_forward_gathers_with_torch_and_checks_the_source(  # type: ignore[no-untyped-def]
+    tmp_path: Path, hint, dtype
+) -> None:
+    """A table whose rows are their values (f32, bf16: no decoding) is served while resident
+    by ``torch.embedding`` of the mapping: the rows equal the source, the output is a fresh
+    tensor (writing to it leaves the table alone), strided ids work, a slow gather reaches
+    the read rule, and an attached source truncated while open raises `TruncatedFile`."""
+    from engramdb.errors import ShapeMismatch, TruncatedFile
+    from engramdb.io.columns import native_enabled
+
+    heads = [300, 211, 157]
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(sum(heads), 24, generator=g).to(dtype)
+    src = tmp_path / "rows.bin"
+    src.write_bytes(weight.view(torch.uint8).numpy().tobytes())
+    engramdb.attach(
+        tmp_path / "db",
+        "t",
+        [src],
+        row_bytes=24 * weight.element_size(),
+        heads=heads,
+        dtype=hint,
+        dim=24,
+    )
+    offsets = torch.tensor([0, heads[0], heads[0] + heads[1]])
+    with engramdb.open(tmp_path / "db") as db:
+        st = db["t"]
+        st.populate()
+        m = DiskMultiHeadEmbedding(st)
+        assert m._table_t is not None  # the torch path is the one under test
+        big = torch.stack([torch.randint(0, h, (4, 40), generator=g) for h in heads], dim=-1)
+        for _ in range(3):  # the read rule settles in its mapped state
+            out = m(big)
+        assert m.served_mapped >= 1 and out.dtype == dtype and out.shape == (4, 40, 3, 24)
+        assert torch.equal(out, weight[big + offsets])
+        step = big[:, -1:]  # a strided view: one decode step's ids
+        assert not step.is_contiguous()
+        before = m.served_mapped
+        got = m(step)
+        assert m.served_mapped == before + 1 and torch.equal(got, weight[step + offsets])
+        got.fill_(0)  # a fresh tensor: the mapped table is untouched
+        assert torch.equal(m(step), weight[step + offsets])
+        step = step.contiguous()  # the compiled bounds check of the ids in place
+        assert m._check_at is not None or not native_enabled()
+        before = m.served_mapped
+        assert torch.equal(m(step), weight[step + offsets])
+        assert m.served_mapped == before + 1
+        edge = torch.tensor([[[h - 1 for h in heads]]])
+        assert torch.equal(m(edge), weight[edge + offsets])
+        for bad in ([0, heads[1], 0], [-1, 0, 0], [0, 0, 2**63 - 1]):
+            # past head 1's rows: refused, not head 2's row 0; negative; huge
+            with pytest.raises(RowIdOutOfRange):
+                m(torch.tensor([[bad]]))
+        with pytest.raises(ShapeMismatch):  # 6 ids a row, not the 3 heads' (6 = 2 x 3)
+            m(torch.zeros((1, 1, 6), dtype=torch.int64))
+        seen = []
+        real = st.note_mapped_gather
+        st.note_mapped_gather = lambda rows, s: (seen.append(rows), real(rows, s))  # type: ignore[method-assign]
+        m._slow_s = -1.0  # every gather counts as slow
+        m(step)
+        assert seen == [step.numel()]
+        m._slow_s = 10e-6
+        os.truncate(src, 100)
+        before = m.served_mapped
+        with pytest.raises(TruncatedFile, match="truncated while open"):
+            m(step)
+        assert m.served_mapped == before + 1  # raised on the torch path, before its gather

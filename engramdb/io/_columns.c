@@ -13,6 +13,8 @@
  * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the columns'
  * passes), each column with its own prefetch stream.
  *
+ * in_heads: a decode step's per-head bounds check of ids at a tensor's address.
+ *
  * Optional: the package works without it (engramdb.io.gather falls back to numpy).
  */
 #define PY_SSIZE_T_CLEAN
@@ -214,11 +216,39 @@ fail:
     return NULL;
 }
 
+/* in_heads(address, n, bounds) -> whether each of the n int64 ids at address is below its
+ * head's bound: id i against bounds[i % H] (bounds: H uint64 bounds as bytes; read as
+ * unsigned, a negative id is huge). For a decode step's ids inside a model's forward: the
+ * caller passes the address of a C-contiguous CPU int64 tensor it holds (torch's
+ * data_ptr()), so no numpy array is made to look at a few ids. False where n is not a
+ * multiple of H. */
+static PyObject *in_heads(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t n;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Kny*", &address, &n, &b)) return NULL;
+    const int64_t *ids = (const int64_t *)(uintptr_t)address;
+    const uint64_t *bounds = (const uint64_t *)b.buf;
+    Py_ssize_t h = b.len / 8;
+    int ok = h > 0 && n >= 0 && n % h == 0 && (n == 0 || ids != NULL);
+    for (Py_ssize_t i = 0; ok && i < n; i += h)
+        for (Py_ssize_t j = 0; j < h; j++)
+            if ((uint64_t)ids[i + j] >= bounds[j]) {
+                ok = 0;
+                break;
+            }
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"take_rows", take_rows, METH_VARARGS,
      "take_rows(out, table, width, ids, prefetch=True) -> -1, or the position of the first id\n"
      "out of range.\n"
      "out[i] = row ids[i] of a table of width-byte rows, prefetching rows ahead."},
+    {"in_heads", in_heads, METH_VARARGS,
+     "in_heads(address, n, bounds) -> whether the n int64 ids at address are each below\n"
+     "their head's bound (bounds: H uint64 as bytes; id i against bounds[i % H])."},
     {"take", take, METH_VARARGS,
      "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
      "Rows of int64 ids assembled from (source, width) columns into out."},

@@ -2,7 +2,7 @@
 
 * `take_prefetched`: rows of one table, asking for the lines of the row 32 ahead while it
   copies the current one: 1.2-1.3x ``np.take`` for rows that miss the CPU caches
-  (`engramdb.io.gather.take_one` uses it for batches of 16 KiB or more).
+  (`engramdb.io.gather.take_one` uses it for batches of 64 KiB or more).
 * `take_columns`: rows assembled from several column sources in one call (an attached
   table's 256 B weight row + 8 B scale row into a 264 B row). numpy cannot gather into a
   strided destination (``np.take`` wants a contiguous ``out``), so the numpy way costs one
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _native = None
 
-__all__ = ["NATIVE_ENV", "native_enabled", "take_columns", "take_prefetched"]
+__all__ = ["NATIVE_ENV", "heads_checker", "native_enabled", "take_columns", "take_prefetched"]
 
 #: ``0`` turns the compiled column gather off (the numpy path runs instead).
 NATIVE_ENV = "ENGRAMDB_NATIVE"
@@ -99,3 +100,17 @@ def take_prefetched(
         bad_id = int(ids.reshape(-1)[bad])
         raise RowIdOutOfRange(f"row id {bad_id} out of range [0, {table.shape[0]})")
     return True
+
+
+def heads_checker() -> Any:
+    """The compiled per-head bounds check ``check(address, n, bounds) -> bool`` (None when
+    the loop is not built or is turned off): whether each of the ``n`` int64 ids at
+    ``address`` (a C-contiguous CPU buffer the caller holds for the call, e.g. a torch
+    tensor's ``data_ptr()``) is below its head's bound, id ``i`` against head ``i % H`` of
+    ``bounds`` (``H`` native-endian uint64 as bytes; a negative id, read unsigned, is
+    huge). One call and no numpy array: inside a model step, where numpy's code has left
+    the CPU caches, it costs a fraction of a numpy check of the same few ids."""
+    if not native_enabled() or not hasattr(_native, "in_heads"):
+        return None
+    assert _native is not None
+    return _native.in_heads
