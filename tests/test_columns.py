@@ -136,9 +136,7 @@ def test_rows_before_an_id_out_of_range_are_written_and_none_after(
 @native
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32])
 @pytest.mark.parametrize("lead", [0, 8])  # rows on cache lines, and 8 bytes off them
-def test_prefetched_take_equals_np_take(
-    dtype: type, lead: int, rng: np.random.Generator
-) -> None:
+def test_prefetched_take_equals_np_take(dtype: type, lead: int, rng: np.random.Generator) -> None:
     rows, width = 4000, 128 // np.dtype(dtype).itemsize
     raw = rng.integers(0, 256, lead + rows * width * np.dtype(dtype).itemsize, dtype=np.uint8)
     table = raw[lead:].view(dtype).reshape(rows, width)
@@ -207,7 +205,6 @@ def test_large_fetches_of_a_built_table_take_the_prefetched_gather(
     assert ran and all(r is compiled for r in ran)  # the batches of 64 KiB or more
 
 
-
 @native
 def test_take_one_prefetches_for_tables_larger_than_the_last_level_cache(
     rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
@@ -233,6 +230,7 @@ def test_take_one_prefetches_for_tables_larger_than_the_last_level_cache(
     monkeypatch.setattr(gather, "_llc", None)
     assert gather.llc_bytes() >= 1 << 20  # read from sysfs (or the 32 MiB default)
 
+
 @native
 def test_the_gather_without_prefetch_equals_np_take(rng: np.random.Generator) -> None:
     table = rng.integers(0, 256, (3000, 200), dtype=np.uint8)
@@ -243,3 +241,36 @@ def test_the_gather_without_prefetch_equals_np_take(rng: np.random.Generator) ->
     ids[10] = -1
     with pytest.raises(RowIdOutOfRange, match="-1"):
         columns.take_prefetched(table, ids, out, prefetch=False)
+
+
+@native
+def test_heads_checker_and_rows_matcher_read_ids_in_place(rng: np.random.Generator) -> None:
+    """The two checks a torch forward runs on ids at a tensor's address agree with numpy's
+    answers: per-head bounds (negative ids are huge), and local ids + head offsets equal to
+    global rows (as numpy's wrapping add says); a count that is not a whole number of heads,
+    or rows of another length, is False."""
+    check, match = columns.heads_checker(), columns.rows_matcher()
+    assert check is not None and match is not None
+    heads = np.array([5, 9, 2], np.int64)
+    bounds = heads.astype(np.uint64).tobytes()
+    offsets = np.array([0, 5, 14], np.int64)
+    for _ in range(200):
+        ids = rng.integers(-2, 11, (int(rng.integers(0, 6)), 3)).astype(np.int64)
+        addr = ids.ctypes.data
+        want = bool(((ids >= 0) & (ids < heads)).all())
+        assert check(addr, ids.size, bounds) == want
+        rows = ids + offsets
+        assert match(addr, ids.size, rows, offsets.tobytes())
+        if ids.size:
+            other = rows.copy()
+            other.reshape(-1)[int(rng.integers(0, ids.size))] += 1
+            assert not match(addr, ids.size, other, offsets.tobytes())
+            assert not match(addr, ids.size, rows[:-1], offsets.tobytes())  # fewer rows
+            assert not check(addr, ids.size - 1, bounds)  # not whole rows of heads
+    huge = np.array([[2**63 - 1, 0, 0]], np.int64)
+    assert not check(huge.ctypes.data, 3, bounds)
+    wrap = huge + offsets  # numpy wraps the sum: so does the check
+    assert match(huge.ctypes.data, 3, wrap, offsets.tobytes())
+    strided = np.zeros((3, 6), np.int64)[:, ::2]
+    assert not match(huge.ctypes.data, 3, strided[:1], offsets.tobytes())  # not contiguous
+    assert not match(huge.ctypes.data, 3, None, offsets.tobytes())

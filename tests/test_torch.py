@@ -483,3 +483,46 @@ def test_resident_forward_gathers_with_torch_and_checks_the_source(  # type: ign
         with pytest.raises(TruncatedFile, match="truncated while open"):
             m(step)
         assert m.served_mapped == before + 1  # raised on the torch path, before its gather
+
+
+def test_hook_steady_state_compares_the_ids_in_place(tmp_path: Path) -> None:
+    """After its first step the hook answers a contiguous id tensor by comparing the ids with
+    the decoder's filled rows in place (compiled) and returning the cached view of the fill
+    buffer: each step's rows are the new fill's; one differing id, another shape, or an id
+    out of range never gets the view."""
+    from engramdb.decode import Decoder
+    from engramdb.io.columns import native_enabled
+    from engramdb.torch import prefetched_multi_head_embedding
+
+    h, mods = _peft_tables(tmp_path, layers=(1, 3))
+    toks = np.random.default_rng(8).integers(0, 100, (2, 16))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=2, compressed=True)
+        hooks = {lay: prefetched_multi_head_embedding(dec, lay) for lay in (1, 3)}
+        assert all((hk._match_at is not None) == native_enabled() for hk in hooks.values())
+        step = np.empty(dec.out_shape, np.uint8)
+        views = {}
+        for t in range(16):
+            dec.push(toks[:, t])
+            dec.fill(step)
+            for lay, hook in hooks.items():
+                local = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=lay)[:, -1:].copy())
+                assert local.is_contiguous()
+                got = hook(local)
+                assert torch.equal(got, mods[lay].multi_head_embedding(local))
+                assert step.ctypes.data <= got.data_ptr() < step.ctypes.data + step.nbytes
+                views.setdefault(lay, got)
+                assert got is views[lay]  # the cached view, refilled in place
+                other = local.clone()
+                other[1, 0, 2] = (other[1, 0, 2] + 1) % int(h.primes(lay)[2])
+                miss = hook(other)
+                assert torch.equal(miss, mods[lay].multi_head_embedding(other))
+                assert not (step.ctypes.data <= miss.data_ptr() < step.ctypes.data + step.nbytes)
+                bad = local.clone()
+                bad[0, 0, 0] = -1
+                with pytest.raises(RowIdOutOfRange):
+                    hook(bad)
+                first = local[:1].clone()  # another shape: not the cached view
+                assert torch.equal(hook(first), mods[lay].multi_head_embedding(first))
+        assert all(hk.served_prefetched == 16 for hk in hooks.values())
+        assert all(hk.served_read == 48 for hk in hooks.values())

@@ -13,7 +13,8 @@
  * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the columns'
  * passes), each column with its own prefetch stream.
  *
- * in_heads: a decode step's per-head bounds check of ids at a tensor's address.
+ * in_heads: a decode step's per-head bounds check of ids at a tensor's address; rows_match:
+ * whether such ids are exactly the global rows a decoder filled.
  *
  * Optional: the package works without it (engramdb.io.gather falls back to numpy).
  */
@@ -241,6 +242,39 @@ static PyObject *in_heads(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus
+ * their head's offset (offsets: H int64 as bytes; id i is of head i % H) equal the int64
+ * global row ids of the C-contiguous buffer rows (n of them): the pre-fetched-rows hook's
+ * check that a layer asks for exactly the rows a decoder filled. Sums wrap as numpy's do
+ * (a bijection: equal only when the id is exactly the row's local id). False where the
+ * counts differ or rows is not a C-contiguous buffer. */
+static PyObject *rows_match(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t n;
+    PyObject *rows_obj;
+    Py_buffer off, w;
+    if (!PyArg_ParseTuple(args, "KnOy*", &address, &n, &rows_obj, &off)) return NULL;
+    if (PyObject_GetBuffer(rows_obj, &w, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&off);
+        Py_RETURN_FALSE;
+    }
+    const int64_t *ids = (const int64_t *)(uintptr_t)address;
+    const int64_t *want = (const int64_t *)w.buf;
+    const int64_t *offs = (const int64_t *)off.buf;
+    Py_ssize_t h = off.len / 8;
+    int ok = h > 0 && n >= 0 && n % h == 0 && w.len == n * 8 && (n == 0 || ids != NULL);
+    for (Py_ssize_t i = 0; ok && i < n; i += h)
+        for (Py_ssize_t j = 0; j < h; j++)
+            if ((uint64_t)ids[i + j] + (uint64_t)offs[j] != (uint64_t)want[i + j]) {
+                ok = 0;
+                break;
+            }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&off);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"take_rows", take_rows, METH_VARARGS,
      "take_rows(out, table, width, ids, prefetch=True) -> -1, or the position of the first id\n"
@@ -249,6 +283,9 @@ static PyMethodDef methods[] = {
     {"in_heads", in_heads, METH_VARARGS,
      "in_heads(address, n, bounds) -> whether the n int64 ids at address are each below\n"
      "their head's bound (bounds: H uint64 as bytes; id i against bounds[i % H])."},
+    {"rows_match", rows_match, METH_VARARGS,
+     "rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus\n"
+     "their head's offset equal the global row ids of rows (offsets: H int64 as bytes)."},
     {"take", take, METH_VARARGS,
      "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
      "Rows of int64 ids assembled from (source, width) columns into out."},

@@ -31,7 +31,14 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _native = None
 
-__all__ = ["NATIVE_ENV", "heads_checker", "native_enabled", "take_columns", "take_prefetched"]
+__all__ = [
+    "NATIVE_ENV",
+    "heads_checker",
+    "native_enabled",
+    "rows_matcher",
+    "take_columns",
+    "take_prefetched",
+]
 
 #: ``0`` turns the compiled column gather off (the numpy path runs instead).
 NATIVE_ENV = "ENGRAMDB_NATIVE"
@@ -114,3 +121,16 @@ def heads_checker() -> Any:
         return None
     assert _native is not None
     return _native.in_heads
+
+
+def rows_matcher() -> Any:
+    """The compiled check ``match(address, n, rows, offsets) -> bool`` (None when the loop is
+    not built or is turned off): whether the ``n`` int64 local ids at ``address`` (as for
+    `heads_checker`) plus their head's offset (``offsets``: ``H`` int64 as bytes, id ``i``
+    of head ``i % H``) equal the global row ids of the C-contiguous int64 array ``rows``,
+    as numpy's wrapping ``ids + offsets == rows`` would say. False where the counts differ
+    or ``rows`` is not C-contiguous."""
+    if not native_enabled() or not hasattr(_native, "rows_match"):
+        return None
+    assert _native is not None
+    return _native.rows_match
