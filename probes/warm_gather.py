@@ -16,6 +16,10 @@ every repetition printed; the baseline first, each labelled:
     consecutive batches per arm (each arm in its steady state, the drift still cancelled);
   * (not with ``--quick``) ``engramdb build`` of a .npy source vs a copy of it + fsync.
 
+Every arm of the interleaved repetitions starts after a `CacheFlush` and cycles through 512
+distinct batches (64 ``[64, 256, 8]`` id sets for 264 B): about one pass over each table,
+so an arm's gathers come mostly from memory, not from the 480 MiB last-level cache (with 64
+batches cycled for half a second they were mostly cache hits).
 Correctness is checked before timing; the store's counters (fast-path calls, the rule's
 choices, the split decision) prove which path ran. JSON: ``probes/out/warm_gather.json``.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleave, median, rate, vm_hwm_mb, write_json  # noqa: E402
+from common import CacheFlush, interleave, median, rate, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 
@@ -172,16 +176,22 @@ def main() -> None:
             ref264 = np.load(srcs[264], mmap_mode="r")
             rng = np.random.default_rng(7)
             batch = 16_384
-            n_batches = 64
+            # Enough distinct batches that an arm's gathers are not served by the last-level
+            # cache (480 MiB here): 64 batches (168 MB of 160 B rows), cycled for half a
+            # second, were mostly cache hits after the first pass. 512 cover the 1.28 GB
+            # table about once (the cache can then hold ~1/3 of the rows any gather asks
+            # for), and every arm starts after a `CacheFlush`.
+            n_batches = 512
             id_sets = [
                 rng.integers(0, s160.n_rows, batch, dtype=np.int64) for _ in range(n_batches)
             ]
+            sets264 = 64  # [64, 256, 8] each: 8.4 M rows over the 1.06 GB table, as above
             local_sets = [
                 np.ascontiguousarray(
                     np.stack([rng.integers(0, h, size=(64, 256)) for h in s264.heads], axis=-1),
                     dtype=np.int64,
                 )
-                for _ in range(8)
+                for _ in range(sets264)
             ]
             global_sets = [loc + s264.head_offsets for loc in local_sets]
             out160 = np.empty((batch, 160), np.uint8)
@@ -246,7 +256,7 @@ def main() -> None:
                 return id_sets[i % n_batches]
 
             def g264(i: int) -> np.ndarray:
-                return global_sets[i % 8]
+                return global_sets[i % sets264]
 
             def take160(i: int) -> int:
                 np.take(t160, id_sets[i % n_batches], axis=0, out=out160, mode="clip")
@@ -268,17 +278,20 @@ def main() -> None:
             flat264 = out264.reshape(-1, 264)
 
             def take264(i: int) -> int:
-                np.take(t264, global_sets[i % 8].reshape(-1), axis=0, out=flat264, mode="clip")
+                np.take(
+                    t264, global_sets[i % sets264].reshape(-1), axis=0, out=flat264, mode="clip"
+                )
                 return n264
 
             def store_lookup(i: int) -> int:
-                s264.lookup_into(local_sets[i % 8], out264)
+                s264.lookup_into(local_sets[i % sets264], out264)
                 return n264
 
             def fancy264(i: int) -> int:
-                t264[global_sets[i % 8]]
+                t264[global_sets[i % sets264]]
                 return n264
 
+            flush = CacheFlush()
             print(f"warm 160 B, batches of {batch:,} random ids (rows/s):")
             r1 = interleave(
                 {
@@ -289,6 +302,7 @@ def main() -> None:
                     "np.memmap never populated": fresh_arm(shard160, s160.n_rows, 160, ids160),
                 },
                 args.reps,
+                before=flush,
             )
             print("warm 264 B, lookup_into [64, 256, 8] (rows/s):")
             r2 = interleave(
@@ -299,6 +313,7 @@ def main() -> None:
                     "np.memmap never populated": fresh_arm(shard264, s264.n_rows, 264, g264),
                 },
                 args.reps,
+                before=flush,
             )
             # 16-row decode step: p50 / p99 of single calls, interleaved in blocks of 1000.
             small = [rng.integers(0, s160.n_rows, 16, dtype=np.int64) for _ in range(64)]
@@ -361,14 +376,16 @@ def main() -> None:
             block_fetch = 1.0 / paired_blocks(
                 take160, store_fetch, n_batches, args.pair_rounds // 4
             )
-            block_lookup = 1.0 / paired_blocks(take264, store_lookup, 8, args.pair_rounds // 16)
+            block_lookup = 1.0 / paired_blocks(
+                take264, store_lookup, sets264, args.pair_rounds // 16
+            )
             print(
                 f"paired in blocks of 8 batches ({args.pair_rounds // 4} / "
                 f"{args.pair_rounds // 16} pairs): fetch_into / np.take {block_fetch:.3f}x, "
                 f"lookup_into / np.take {block_lookup:.3f}x"
             )
             pair_fetch = 1.0 / paired(take160, store_fetch, n_batches, args.pair_rounds)
-            pair_lookup = 1.0 / paired(take264, store_lookup, 8, args.pair_rounds // 4)
+            pair_lookup = 1.0 / paired(take264, store_lookup, sets264, args.pair_rounds // 4)
             print(
                 f"paired per batch ({args.pair_rounds} / {args.pair_rounds // 4} pairs, rate "
                 f"ratio from median batch times): fetch_into / np.take {pair_fetch:.3f}x, "
