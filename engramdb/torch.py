@@ -265,7 +265,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
         # are its values (no decoding): the resident forward is then one ``torch.add`` and one
         # ``torch.embedding``, the ops an in-memory multi-head embedding runs. Inside a model
         # step the model's own torch code keeps those ops in the CPU caches while numpy's sit
-        # cold: the numpy gather cost 1.2-1.5x the in-memory module there, this path 0.9-1.0x.
+        # cold: the numpy gather cost 1.5-1.8x engram-peft's in-memory module there, this
+        # path 1.1-1.2x (probes/e2e_decode.py, docs/probes.md, 16th stop).
         self._table_t: torch.Tensor | None = None
         self._offsets_t = torch.from_numpy(self._offsets_np)  # a plain attribute: no lookup
         # the heads' bounds for the compiled check of a contiguous id tensor (`heads_checker`)

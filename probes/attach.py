@@ -287,7 +287,7 @@ def main() -> None:
             print(f"warm, {gib} GiB, batches of {BATCH} random ids, fetch_into (rows/s):")
             arms = {"np.take(built)": take_ref, **{k: warm(k) for k in t}}
             flush = CacheFlush()  # every arm starts with the rows in memory, not in the LLC
-            for f in arms.values():  # one untimed round (the first timed arm ran ~0.8x)
+            for f in arms.values():  # one untimed round: output buffers, split decisions
                 flush()
                 f()
             cpu.clear()
