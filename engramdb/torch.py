@@ -37,14 +37,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 #: reduction's barely does).
 _LANE_IDS = 256
 
-#: torch dtypes a row's bytes can be viewed as in numpy first (bfloat16 has no numpy twin).
-_NP_VIEWS: dict[Any, Any] = {
-    torch.float32: np.float32,
-    torch.float16: np.float16,
-    torch.float64: np.float64,
-}
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)  # type: ignore[no-any-return]
 
@@ -256,10 +248,6 @@ class DiskMultiHeadEmbedding(_DiskTable):
         # per row: a slower mapped gather (a major fault, not the minor faults of a mapping
         # that is not populated yet) is reported to the read rule
         self._slow_s = 10e-6
-        self._value_dtype = self._decode.value_dtype if self._decode.is_view else None
-        # the same as a numpy dtype where numpy has it (float32 / float16 rows): the view is
-        # then taken before the one torch call
-        self._np_value_dtype = _NP_VIEWS.get(self._value_dtype)
         self._fast = self._table_np is not None and decoder is None
         # The same mapping as a torch tensor of values ``[n_rows, dim]`` where a row's bytes
         # are its values (no decoding): the resident forward is then one ``torch.add`` and one
@@ -459,9 +447,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         return bool((ids.view(np.uint64) < self._heads_u64).all())
 
     def _take_resident(self, ids: np.ndarray) -> torch.Tensor:
-        """Validated local ids ``[B, L, H]`` of a resident table: one gather from the mapping
-        into the output's bytes (a slow one, which may have faulted, is reported to the read
-        rule)."""
+        """Validated local ids ``[B, L, H]`` of a resident table whose rows are decoded (FP8,
+        scaled; rows that are their values take `_take_resident_torch`): one gather from the
+        mapping (a slow one, which may have faulted, is reported to the read rule), decoded."""
         tbl = self._table_np
         hot = self._hot
         hot.mapped += 1
@@ -475,12 +463,6 @@ class DiskMultiHeadEmbedding(_DiskTable):
         dt = pc() - t0
         if dt > self._slow_s * flat.size:
             self.store.note_mapped_gather(flat.size, dt)  # type: ignore[attr-defined]
-        npd = self._np_value_dtype
-        if npd is not None:
-            return torch.from_numpy(raw_np.view(npd))  # [B, L, H, dim], no copy, one call
-        vd = self._value_dtype
-        if vd is not None:
-            return torch.from_numpy(raw_np).view(vd)  # [B, L, H, dim], no copy
         with torch.no_grad():
             raw = torch.from_numpy(raw_np).view(-1, self._rb)
             return self._decode(raw).view(*ids.shape, self.codec.dim)
