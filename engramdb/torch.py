@@ -37,6 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 #: reduction's barely does).
 _LANE_IDS = 256
 
+
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)  # type: ignore[no-any-return]
 
@@ -483,59 +484,45 @@ class DiskMultiHeadEmbedding(_DiskTable):
         return out
 
     def forward(self, local_ids: Any) -> torch.Tensor:
-        match = self._match_at
-        if (
-            match is not None
-            and type(local_ids) is torch.Tensor
-            and local_ids.dtype is torch.int64
-            and local_ids.is_cpu
-            and local_ids.is_contiguous()
-        ):
-            # the hook's steady state: the ids compared in place with the decoder's filled
-            # rows (one compiled call), and the view of its fill buffer made for the first
-            # step of this shape returned again. Anything else goes on below.
-            cached = self._hot.view_cache
-            dec = self.decoder
-            slot = self._slot
-            if (
-                cached is not None
-                and cached[0] is dec.filled_out[slot]
-                and cached[2] == local_ids.shape
-                and match(
-                    local_ids.data_ptr(),
-                    local_ids.numel(),
-                    dec.filled_rows[slot],
-                    self._offsets_bytes,
-                )
+        plain = (
+            type(local_ids) is torch.Tensor and local_ids.dtype is torch.int64 and local_ids.is_cpu
+        )
+        if plain and local_ids.is_contiguous():
+            # Checked in place by one compiled call each (no numpy array): with a decoder,
+            # the hook's steady state (the ids equal its filled rows: the view of its fill
+            # buffer made for the first step of this shape, again); without, a resident table
+            # whose rows are their values (the ids' bounds, then one ``torch.embedding``).
+            # Anything else (ids out of range included, which raise below) goes on below.
+            match = self._match_at
+            if match is not None:
+                cached = self._hot.view_cache
+                dec = self.decoder
+                slot = self._slot
+                if (
+                    cached is not None
+                    and cached[0] is dec.filled_out[slot]
+                    and cached[2] == local_ids.shape
+                    and match(
+                        local_ids.data_ptr(),
+                        local_ids.numel(),
+                        dec.filled_rows[slot],
+                        self._offsets_bytes,
+                    )
+                ):
+                    self._hot.prefetched += 1
+                    return cached[3]  # type: ignore[no-any-return]
+            elif (
+                self._table_t is not None
+                and (check := self._check_at) is not None
+                and local_ids.dim() == 3
+                and local_ids.shape[2] == self._n_heads
+                and self._hot.ticket_ids is None
+                and self._mapped_ok()
             ):
-                self._hot.prefetched += 1
-                return cached[3]  # type: ignore[no-any-return]
-        check = self._check_at
-        if (
-            self._table_t is not None
-            and check is not None
-            and type(local_ids) is torch.Tensor
-            and local_ids.dtype is torch.int64
-            and local_ids.is_cpu
-            and local_ids.dim() == 3
-            and local_ids.shape[2] == self._n_heads
-            and local_ids.is_contiguous()
-            and self._hot.ticket_ids is None
-            and self._mapped_ok()
-        ):
-            # the bounds of the ids in place (one compiled call, no numpy array): a resident
-            # table whose rows are their values is then one ``torch.embedding``; ids out of
-            # range (or of another head count) go on below, which raises naming them
-            n = local_ids.numel()
-            if check(local_ids.data_ptr(), n, self._bounds_bytes):
-                return self._take_resident_torch(local_ids, n)
-        if (
-            self._fast
-            and type(local_ids) is torch.Tensor
-            and local_ids.dtype is torch.int64
-            and local_ids.is_cpu
-            and local_ids.dim() == 3
-        ):
+                n = local_ids.numel()
+                if check(local_ids.data_ptr(), n, self._bounds_bytes):
+                    return self._take_resident_torch(local_ids, n)
+        if self._fast and plain and local_ids.dim() == 3:
             ids = local_ids.numpy()
             if (
                 ids.shape[2] == self._n_heads

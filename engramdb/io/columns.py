@@ -1,8 +1,9 @@
 """Compiled row gathers (``_columns.c``, built at install when a C compiler is there).
 
 * `take_prefetched`: rows of one table, asking for the lines of the row 32 ahead while it
-  copies the current one: 1.2-1.3x ``np.take`` for rows that miss the CPU caches
-  (`engramdb.io.gather.take_one` uses it for batches of 64 KiB or more).
+  copies the current one: faster than ``np.take`` for rows that miss the L2 (1.05x on one
+  thread for 256 B rows from memory; docs/io.md has the figures), used by
+  `engramdb.io.gather.take_one` for batches of 64 KiB or more.
 * `take_columns`: rows assembled from several column sources in one call (an attached
   table's 256 B weight row + 8 B scale row into a 264 B row). numpy cannot gather into a
   strided destination (``np.take`` wants a contiguous ``out``), so the numpy way costs one
@@ -18,6 +19,7 @@ process); the caller then takes its numpy path.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -81,9 +83,8 @@ def take_prefetched(
     """``out[i] = table[ids[i]]`` (``table`` a C-contiguous 2-D array, ``ids`` int64 or a
     narrower integer type, ``out`` C-contiguous with ``len(ids)`` rows of the table's) in
     one compiled pass that asks for the source lines of the row 32 ahead (into L2) while it
-    copies the current one: rows that miss the CPU caches (a table far larger than the
-    last-level cache) come 1.2-1.3x faster than ``np.take``, which waits for each row's
-    lines in turn. False (nothing written) when the loop is not built, is turned off, or an
+    copies the current one: rows that miss the L2 come sooner than with ``np.take``, which
+    waits for each row's lines in turn. False (nothing written) when the loop is not built, is turned off, or an
     array does not fit it; raises `RowIdOutOfRange` for an id past the table (rows before
     it are written). ``prefetch=False``: the same loop without the prefetches (rows already
     in the CPU caches copy ~20 % faster without them)."""
@@ -109,7 +110,13 @@ def take_prefetched(
     return True
 
 
-def heads_checker() -> Any:
+def _compiled(name: str) -> Any:
+    """The compiled function ``name`` of ``_columns``, or None (not built, turned off, or a
+    build older than the function)."""
+    return getattr(_native, name, None) if native_enabled() else None
+
+
+def heads_checker() -> Callable[[int, int, bytes], bool] | None:
     """The compiled per-head bounds check ``check(address, n, bounds) -> bool`` (None when
     the loop is not built or is turned off): whether each of the ``n`` int64 ids at
     ``address`` (a C-contiguous CPU buffer the caller holds for the call, e.g. a torch
@@ -117,20 +124,14 @@ def heads_checker() -> Any:
     ``bounds`` (``H`` native-endian uint64 as bytes; a negative id, read unsigned, is
     huge). One call and no numpy array: inside a model step, where numpy's code has left
     the CPU caches, it costs a fraction of a numpy check of the same few ids."""
-    if not native_enabled() or not hasattr(_native, "in_heads"):
-        return None
-    assert _native is not None
-    return _native.in_heads
+    return _compiled("in_heads")  # type: ignore[no-any-return]
 
 
-def rows_matcher() -> Any:
+def rows_matcher() -> Callable[[int, int, Any, bytes], bool] | None:
     """The compiled check ``match(address, n, rows, offsets) -> bool`` (None when the loop is
     not built or is turned off): whether the ``n`` int64 local ids at ``address`` (as for
     `heads_checker`) plus their head's offset (``offsets``: ``H`` int64 as bytes, id ``i``
     of head ``i % H``) equal the global row ids of the C-contiguous int64 array ``rows``,
     as numpy's wrapping ``ids + offsets == rows`` would say. False where the counts differ
     or ``rows`` is not C-contiguous."""
-    if not native_enabled() or not hasattr(_native, "rows_match"):
-        return None
-    assert _native is not None
-    return _native.rows_match
+    return _compiled("rows_match")  # type: ignore[no-any-return]

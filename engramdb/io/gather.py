@@ -9,8 +9,8 @@ a pool costs ~20 us.
 
 Each thread's part is `take_one`: the compiled gather (`engramdb.io.columns.take_prefetched`)
 for batches of 64 KiB or more, prefetching rows ahead for a table larger than the
-last-level cache (1.2-1.3x ``np.take`` where rows miss the CPU caches; ~20 % slower where
-they hit); ``np.take`` below that or where it is not built.
+last-level cache (faster than ``np.take`` where rows miss the L2, docs/io.md; ~20 % slower
+where they sit in the CPU caches already); ``np.take`` below that or where it is not built.
 """
 
 from __future__ import annotations

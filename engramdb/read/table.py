@@ -10,7 +10,7 @@ checked batch): `gather`, `gather_small`, `gather_resident`, `read_below`, plus 
 
 The warm path is one vectorised gather: the shards are mapped back to back, so a gather is
 one `engramdb.io.gather.take_one` after a one-pass bounds check: the compiled prefetching
-gather for 16 KiB or more, else ``np.take(table, ids, axis=0, out=..., mode="clip")``
+gather for 64 KiB or more, else ``np.take(table, ids, axis=0, out=..., mode="clip")``
 (``mode="clip"`` avoids numpy's temporary copy for ``mode="raise"``; the ids were validated
 already, so clipping never changes a row).
 
