@@ -214,7 +214,8 @@ class Store(LocalTable):
         ``FilePmdMapped``: warm gathers through it skip a TLB miss per 4 KiB page);
         ``rss_anon_bytes`` (the RAM tier and this thread's pooled result buffers:
         what its ``RssAnon`` owes the table); ``ram_tier_bytes``; ``rss_budget``;
-        ``locked_bytes``; ``warm`` (the background warm's state, reason, bytes read) and
+        ``locked_bytes``; ``warm`` (the background warm's state, reason, bytes read, and the
+        1 MiB pieces it read in the gaps of a decode loop, paced ones beside prefetches) and
         ``process`` (this process's ``VmRSS`` / ``RssAnon`` / ``RssFile`` ...)."""
         tiers = self.tiers
         cache = self.cache
@@ -238,6 +239,8 @@ class Store(LocalTable):
                 "reason": w.reason,
                 "bytes_read": w.bytes_read,
                 "starts": tiers.warm_starts,
+                "gap_pieces": w.gap_pieces,
+                "paced_pieces": w.paced_pieces,
             },
             "process": process_rss(),
         }

@@ -16,8 +16,9 @@ largest named batch below it). The default sizes the model so a decode step take
 one thread here (``torch.set_num_threads(1)``) at both batch sizes, the step issue 18 sets its
 bar at (10 blocks at B=1: ~5.5 ms; 4 at B=8: ~8 ms); the summary prints each batch's in-RAM
 step and says when it falls outside 5-10 ms. ``--blocks 4`` is the old 3.6 ms B=1 step;
-``--hidden 1024 --blocks 6 --vocab 32000`` is a ~40 ms-step model, the size of the model the
-issues' outside measurements used.
+``--hidden 1024 --blocks 11 --vocab 32000`` is a ~40 ms-step model at B=1 (~110 ms at B=8),
+about the size of the model the issues' outside measurements used (~46 / ~130 ms);
+``--blocks 6`` is a ~26 ms one.
 The row ids come from the engram-peft keygen kind (equal to engram-peft's own hashing,
 tests/test_keygen_peft.py); the model hashes every step itself, as engram-peft's pre-hook does.
 
@@ -58,7 +59,8 @@ code on the CPU to check the plumbing (not a measurement).
 Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwise). Printed per
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
 module's forward, plus push/fill/prefetch calls), minor/major faults per step, RSS anon/file
-(MB), 32-token prefill and its ratio. Then the warm per-step lookup of the module vs
+(MB), 32-token prefill and its ratio, and for a cold arm what the table's background warm read
+by the end (and how much of it paced beside the loop's prefetches, `docs/io.md`). Then the warm per-step lookup of the module vs
 ``nn.Embedding`` (same processes' figures), and the training-side figure: corpus -> e_t
 (``db.stream``) -> a torch training step, tokens/s, against the same loop fed by
 ``np.take`` from the table in anonymous memory (feed only and feed + step). Writes
@@ -531,6 +533,9 @@ def child(args: argparse.Namespace) -> None:
         c = [s.counters() for s in stores.values()]
         doc["rows_fetched"] = sum(x["rows_fetched"] for x in c)
         doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
+        w = [s.memory()["warm"] for s in stores.values()]  # the background warm, by the end
+        doc["warm_bytes_read"] = sum(x["bytes_read"] for x in w)
+        doc["warm_paced_bytes"] = sum(x["paced_pieces"] for x in w) << 20
     db.close()
     print("RESULT " + json.dumps(doc))
 
@@ -803,7 +808,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
             k: median([r["lookup_parts_us"].get(k, 0.0) for r in rs])
             for k in rs[0]["lookup_parts_us"]
         }
-        for k in ("prefetched_share", "served_read", "auto_switches", "module_prefetches"):
+        for k in (
+            "prefetched_share",
+            "served_read",
+            "auto_switches",
+            "module_prefetches",
+            "warm_bytes_read",
+            "warm_paced_bytes",
+        ):
             if k in rs[0]:
                 m[k] = median([r[k] for r in rs])
         rows[arm] = m
@@ -817,6 +829,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
                 f"  (prefetched {m['prefetched_share']:.0%} of steps, "
                 f"{m['served_read']:.0f} hook misses, {m['auto_switches']:.0f} auto switches)"
                 if "prefetched_share" in m
+                else ""
+            )
+            + (
+                f"  (background warm read {m['warm_bytes_read'] / 1e9:.2f} GB, "
+                f"{m['warm_paced_bytes'] / 1e9:.2f} GB of it paced)"
+                if "warm_bytes_read" in m
                 else ""
             )
         )

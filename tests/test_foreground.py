@@ -13,8 +13,16 @@ import pytest
 from warm_checks import warm_pass
 
 import engramdb
+from engramdb.errors import InvalidArgument
 from engramdb.io import foreground as fg_mod
-from engramdb.io.foreground import YIELD_ENV, Foreground, idle_priority
+from engramdb.io.foreground import (
+    OVERLAP_RATE_ENV,
+    YIELD_ENV,
+    Foreground,
+    idle_priority,
+    overlap_rate,
+    read_in_gaps,
+)
 from engramdb.testing.pages import evict
 
 ROW = 160
@@ -50,6 +58,95 @@ def test_learns_a_periodic_rhythm_and_yields_to_it(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv(YIELD_ENV)
     c.t += 0.3  # no batch for longer than the recent window: no longer active
     assert not f.yielding()
+
+
+def test_a_loop_of_prefetches_is_overlapped_until_a_caller_waits() -> None:
+    c = Clock()
+    f = Foreground(clock=c)
+
+    def prefetch(start: float) -> None:
+        c.t = start
+        f.enter(waited=False)
+        c.t = start + 0.001
+        f.exit()
+
+    for i in range(20):  # a 5 ms step whose reads are all prefetches
+        prefetch(100.0 + 0.005 * i)
+    assert f.yielding() and f.overlapped()
+    _batch(f, c, 100.1, 0.001)  # one read a caller waited on (a prefetch missed)
+    assert f.yielding() and not f.overlapped()
+    for i in range(1, 60):  # prefetches only again, for longer than the recent window
+        prefetch(100.1 + 0.005 * i)
+    assert f.overlapped()
+    for i in range(20):  # a loop of waited reads is yielded to but not paced
+        _batch(f, c, 101.0 + 0.005 * i, 0.001)
+    assert f.yielding() and not f.overlapped()
+
+
+def test_note_counts_as_a_prefetch() -> None:
+    """`StepReader` announces its reads with `note`: nobody waits on them."""
+    c = Clock()
+    f = Foreground(clock=c)
+    for i in range(20):
+        c.t = 100.0 + 0.005 * i
+        f.note(0.001)
+    assert f.period == pytest.approx(0.005)
+    c.t += 0.001
+    assert f.overlapped()
+
+
+def test_overlap_rate_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OVERLAP_RATE_ENV, raising=False)
+    assert overlap_rate() == 16 << 20
+    monkeypatch.setenv(OVERLAP_RATE_ENV, "1G")
+    assert overlap_rate() == 1 << 30
+    monkeypatch.setenv(OVERLAP_RATE_ENV, "123456")
+    assert overlap_rate() == 123456
+    for bad in ("fast", "0", "-5M"):
+        monkeypatch.setenv(OVERLAP_RATE_ENV, bad)
+        with pytest.raises(InvalidArgument, match=OVERLAP_RATE_ENV):
+            overlap_rate()
+
+
+def test_read_in_gaps_holds_its_pieces_to_the_pace(tmp_path: Path) -> None:
+    """Paced at 16 MiB/s, 4 MiB take at least a quarter second, and every byte is read;
+    unpaced the same read is quick; a set stop ends a paced read early."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    f = Foreground()  # no rhythm: every gap is open
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        stop = threading.Event()
+        t0 = time.monotonic()
+        pieces, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop)
+        quick = time.monotonic() - t0
+        evict(p)
+        t0 = time.monotonic()
+        pieces_paced, bps = read_in_gaps(
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=16 << 20
+        )
+        paced = time.monotonic() - t0
+        assert pieces == pieces_paced == 4 and bps > 0
+        assert paced >= 0.24 and paced > quick
+        stop.set()
+        t0 = time.monotonic()
+        got, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=1.0)
+        assert got == 0 and time.monotonic() - t0 < 1.0
+    finally:
+        os.close(fd)
+
+
+def test_the_pace_is_shared_by_every_warm_of_the_process() -> None:
+    """Two tables' warms pacing at once share one schedule: each piece waits behind the
+    slots of the pieces before it, so together they keep to the rate."""
+    p = fg_mod._Pacer()
+    now = time.monotonic()
+    first = p.reserve(1 << 20, float(1 << 20), now)  # 1 MiB at 1 MiB/s: one second
+    second = p.reserve(1 << 20, float(1 << 20), now)  # another table's piece, same moment
+    assert 0.9 < first <= 1.0
+    assert 1.9 < second <= 2.0
+    later = p.reserve(1 << 20, float(1 << 20), now + 10.0)  # after a pause: its own slot
+    assert 10.9 < later <= 11.0
 
 
 def test_a_throughput_load_is_not_yielded_to() -> None:
@@ -120,14 +217,17 @@ def _cold_db(tmp_path: Path, rows: int) -> Path:
 
 
 @pytest.mark.parametrize("yield_on", [True, False])
+@pytest.mark.parametrize("waited", [True, False])
 def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, yield_on: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, yield_on: bool, waited: bool
 ) -> None:
     """A periodic foreground loop (1 ms reads every 4 ms): the warm reads the table in gap
-    pieces (none when yielding is off), completes, and leaves it resident (the waiting
-    itself is tested on `Foreground.wait_gap` above)."""
+    pieces (none when yielding is off), paced when the loop's reads are prefetches,
+    completes, and leaves it resident (the waiting itself is tested on
+    `Foreground.wait_gap` above)."""
     if not yield_on:
         monkeypatch.setenv(YIELD_ENV, "0")
+    monkeypatch.setenv(OVERLAP_RATE_ENV, "256M")  # the test's 6.4 MB in ~25 ms of pauses
     f = Foreground()
     monkeypatch.setattr("engramdb.io.tiers.FOREGROUND", f)
     path = _cold_db(tmp_path, 40_000)  # 6.4 MB
@@ -135,7 +235,7 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
 
     def loop() -> None:
         while not stop.is_set():
-            with f.reading():
+            with f.reading(waited=waited):
                 time.sleep(0.001)
             time.sleep(0.003)
 
@@ -152,8 +252,10 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
             assert s.residency() == 1.0
             if yield_on:
                 assert w.gap_pieces >= 1  # read in 1 MiB pieces in the gaps
+                # paced only beside prefetches
+                assert (w.paced_pieces >= 1) if not waited else (w.paced_pieces == 0)
             else:
-                assert w.gap_pieces == 0
+                assert w.gap_pieces == w.paced_pieces == 0
             # the rows read back equal the source
             ids = np.arange(0, 40_000, 997, dtype=np.int64)
             got = s.fetch(ids)
@@ -190,6 +292,9 @@ def test_the_pass_completes_whether_or_not_a_gap_comes(
 
         def yielding(self) -> bool:
             return True
+
+        def overlapped(self) -> bool:
+            return False
 
         def wait_gap(self, need: float, *, timeout: float) -> bool:
             return left > 0

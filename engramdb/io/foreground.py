@@ -14,7 +14,16 @@ for more than 60 % of each interval (batches back to back, or a large decode bat
 waited for: the warm then reads at full speed, since finishing it soon is what such a load
 needs most (`Foreground.yielding`).
 
-``ENGRAMDB_WARM_YIELD=0`` turns the yielding off (the warm always reads at full speed).
+When every recent batch was a prefetch (rows for a future step, read while the model
+computes: nobody waited on them), the loop gains nothing from the warm finishing soon, while
+each byte the warm reads still costs the model's own step something (the device's DMA, the
+host's I/O work, the page-cache work: about 0.1 s of a 38 ms step's time per GB read here).
+The warm then also paces its pieces to `overlap_rate` (default 16 MiB/s for all the
+process's tables together: a 5 GB table warms in about five minutes of such a loop, sooner
+when the loop pauses; `Foreground.overlapped`).
+
+``ENGRAMDB_WARM_YIELD=0`` turns the yielding off (the warm always reads at full speed);
+``ENGRAMDB_WARM_OVERLAP_RATE`` (bytes/s, ``"64M"``) sets the pace beside prefetched reads.
 """
 
 from __future__ import annotations
@@ -25,12 +34,25 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from engramdb.errors import InvalidArgument
 from engramdb.io.mapping import populate_range
+from engramdb.units import parse_size
 
-__all__ = ["FOREGROUND", "YIELD_ENV", "Foreground", "idle_priority", "read_in_gaps"]
+__all__ = [
+    "FOREGROUND",
+    "OVERLAP_RATE_ENV",
+    "YIELD_ENV",
+    "Foreground",
+    "idle_priority",
+    "overlap_rate",
+    "read_in_gaps",
+]
 
 #: Set to ``0`` to keep the background warm at full speed beside foreground reads.
 YIELD_ENV = "ENGRAMDB_WARM_YIELD"
+#: The warm's pace (bytes/s) beside a loop whose reads are all prefetches.
+OVERLAP_RATE_ENV = "ENGRAMDB_WARM_OVERLAP_RATE"
+_OVERLAP_RATE = 16 << 20
 
 _RECENT_S = 0.25  # foreground reads within this long count as active
 _MAX_PERIOD_S = 0.5  # batch intervals longer than this are not a periodic loop
@@ -58,12 +80,18 @@ class Foreground:
         self.busy = 0.0
         #: Batches announced with `note` count as in flight until this time.
         self.busy_until = float("-inf")
+        #: When the last batch a caller waited on started (not a prefetch).
+        self.last_waited = float("-inf")
 
-    def enter(self) -> None:
-        """A foreground batch starts its device reads."""
+    def enter(self, *, waited: bool = True) -> None:
+        """A foreground batch starts its device reads; ``waited=False`` for a prefetch (a
+        future step's rows, read while the caller computes)."""
         with self._cond:
+            now = self._clock()
             if self.inflight == 0:
-                self._started(self._clock())
+                self._started(now)
+            if waited:
+                self.last_waited = now
             self.inflight += 1
             self.batches += 1
 
@@ -101,9 +129,9 @@ class Foreground:
             self.batches += 1
 
     @contextmanager
-    def reading(self) -> Iterator[None]:
-        """``with FOREGROUND.reading(): backend.read(...)``."""
-        self.enter()
+    def reading(self, *, waited: bool = True) -> Iterator[None]:
+        """``with FOREGROUND.reading(): backend.read(...)`` (``waited=False``: a prefetch)."""
+        self.enter(waited=waited)
         try:
             yield
         finally:
@@ -117,6 +145,15 @@ class Foreground:
         with self._cond:
             now = self._clock()
             return self.period > 0.0 and now - self.last_start < _RECENT_S and self.busy < _BUSY_MAX
+
+    def overlapped(self) -> bool:
+        """Whether the warm should also pace itself (`overlap_rate`): `yielding`, and no
+        batch in the last `_RECENT_S` was one a caller waited on (every read was a
+        prefetch, hidden behind the caller's compute)."""
+        if not self.yielding():
+            return False
+        with self._cond:
+            return self._clock() - self.last_waited >= _RECENT_S
 
     def wait_gap(self, need: float, *, timeout: float) -> bool:
         """Block until a read of about ``need`` seconds fits before the next batch is due:
@@ -150,13 +187,16 @@ def read_in_gaps(
     *,
     populate: bool,
     stop: threading.Event,
+    pace: float | None = None,
 ) -> tuple[int, float]:
     """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
     each started in a gap between ``record``'s batches that it ends before the next is due
     at the pieces' observed rate ``bps`` (`Foreground.wait_gap`, never waiting more than two
     of their periods): ``WILLNEED`` of exactly the piece, then the wait for it (this
-    process's page tables with ``populate``, else its last page). Returns the pieces read
-    and the updated rate; stops early once ``stop`` is set."""
+    process's page tables with ``populate``, else its last page). With ``pace`` (bytes/s)
+    each piece is followed by a pause that holds the paced pieces of all the process's
+    warms together to that rate (`_Pacer`). Returns the
+    pieces read and the updated rate; stops early once ``stop`` is set."""
     sub = pieces = 0
     while sub < n and not stop.is_set():
         record.wait_gap(_PIECE / bps, timeout=max(0.02, 2 * record.period))
@@ -167,10 +207,49 @@ def read_in_gaps(
             populate_range(addr + sub, m)
         else:
             os.pread(fd, 1, file_off + sub + m - 1)
-        bps += _EWMA * (m / max(time.monotonic() - t, 1e-6) - bps)
+        took = time.monotonic() - t
+        bps += _EWMA * (m / max(took, 1e-6) - bps)
         pieces += 1
         sub += m
+        if pace is not None:
+            stop.wait(_PACER.reserve(m, pace, t))
     return pieces, bps
+
+
+class _Pacer:
+    """One schedule for every table's warm in the process (they share the device, and the
+    model's step pays for each byte whichever table it belongs to): a piece of ``n`` bytes
+    started at ``t`` holds the next ``n / rate`` seconds from ``t`` or from the end of the
+    pieces before it, whichever is later; its reader waits until that slot ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free_at = float("-inf")
+
+    def reserve(self, n: int, rate: float, t: float) -> float:
+        """Seconds to wait after a piece of ``n`` bytes started at ``t`` (monotonic)."""
+        with self._lock:
+            self._free_at = max(self._free_at, t) + n / rate
+            return max(0.0, self._free_at - time.monotonic())
+
+
+_PACER = _Pacer()
+
+
+def overlap_rate() -> float:
+    """The background warm's pace beside prefetched reads, bytes/s: ``ENGRAMDB_WARM_OVERLAP_RATE``
+    (a size per second: ``"64M"``, ``"1G"``, or a plain number), else 16 MiB/s. Raises
+    `InvalidArgument` naming a value that is not a positive size."""
+    text = os.environ.get(OVERLAP_RATE_ENV, "").strip()
+    if not text:
+        return float(_OVERLAP_RATE)
+    try:
+        rate = parse_size(text)
+    except (InvalidArgument, ValueError) as e:
+        raise InvalidArgument(f"{OVERLAP_RATE_ENV}={text!r} is not a size per second") from e
+    if rate <= 0:
+        raise InvalidArgument(f"{OVERLAP_RATE_ENV}={text!r} must be positive")
+    return float(rate)
 
 
 _idle = threading.local()

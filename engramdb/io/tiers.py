@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engramdb.errors import InvalidArgument, MemoryLockRefused
-from engramdb.io.foreground import FOREGROUND, idle_priority, read_in_gaps
+from engramdb.io.foreground import FOREGROUND, idle_priority, overlap_rate, read_in_gaps
 from engramdb.io.mapping import (
     LIBC,
     MADV_DONTNEED,
@@ -262,6 +262,7 @@ class BackgroundWarm:
         self.bytes_added = 0  # page-cache pages this pass brought in, in bytes
         self.passes = 0
         self.gap_pieces = 0  # pieces read between periodic foreground batches
+        self.paced_pieces = 0  # of those, pieces paced beside prefetched reads
         self._piece_bps = 1e9  # smoothed read rate of those pieces (bytes/s)
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
@@ -352,12 +353,17 @@ class BackgroundWarm:
                                 # periodic foreground reads (a decode loop): the chunk in
                                 # pieces, each in a gap between their batches, no read-ahead
                                 # past it (so the device queue is empty when a batch comes),
-                                # on the CPU only when nothing else wants it
+                                # on the CPU only when nothing else wants it; paced when
+                                # every read of the loop is a prefetch (nobody waits on
+                                # the table, and each byte read slows the loop's compute)
+                                pace = overlap_rate() if FOREGROUND.overlapped() else None
                                 pieces, self._piece_bps = read_in_gaps(
                                     FOREGROUND, own, start + off, addr, n, self._piece_bps,
-                                    populate=self.populate, stop=self._stop,
+                                    populate=self.populate, stop=self._stop, pace=pace,
                                 )  # fmt: skip
                                 self.gap_pieces += pieces
+                                if pace is not None:
+                                    self.paced_pieces += pieces
                             elif self.bytes_added + (pages - before) * PAGE <= self.budget:
                                 # Faulted in through our own sequential mapping of our
                                 # own descriptor: read-ahead then fills the page cache

@@ -402,7 +402,7 @@ class Prefetcher:
         store.note_buffered_read()  # a table that fits starts its background warm (once)
         plan = store.plan_for(ids)
         scratch = store.scratch("prefetch_io", plan.scratch_bytes)
-        with FOREGROUND.reading():  # a future step's rows: the background warm reads around it
+        with FOREGROUND.reading(waited=False):  # a future step's rows: read around them
             self._buffered.read(
                 store.fd_array[plan.shard], plan.offset, plan.length, scratch, plan.dest_offset
             )
@@ -437,7 +437,7 @@ class Prefetcher:
                 raise
             return False  # rows assembled from several source columns: syscall reads
         store.note_buffered_read()  # a table that fits starts its background warm (once)
-        with FOREGROUND.reading():  # a future step's rows: the background warm reads around it
+        with FOREGROUND.reading(waited=False):  # a future step's rows: read around them
             willneed_rows(int(table.ctypes.data), ids, store.row_bytes)
             take_one(table, ids, rows)
         return True
