@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -486,6 +487,13 @@ def test_resident_forward_gathers_with_torch_and_checks_the_source(  # type: ign
         m(step)
         assert seen == [step.numel()]
         m._slow_s = 10e-6
+        deadline = time.monotonic() + 10.0
+        while not st.mapped_state() and time.monotonic() < deadline:
+            # a gather above that really was slow (a loaded machine) moved the read rule
+            # off its mapped state: its next residency check brings it back
+            m(step)
+            time.sleep(0.01)
+        assert st.mapped_state()
         os.truncate(src, 100)
         before = m.served_mapped
         with pytest.raises(TruncatedFile, match="truncated while open"):
