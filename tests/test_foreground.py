@@ -113,24 +113,31 @@ def test_read_in_gaps_holds_its_pieces_to_the_pace(tmp_path: Path) -> None:
     unpaced the same read is quick; a set stop ends a paced read early."""
     p = tmp_path / "f.bin"
     p.write_bytes(np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
-    f = Foreground()  # no rhythm: every gap is open
+    f = Foreground()  # no rhythm: every gap is open, and the record is not overlapped
     fd = os.open(p, os.O_RDONLY)
     try:
         stop = threading.Event()
         t0 = time.monotonic()
-        pieces, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop)
+        pieces, paced_n, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop)
         quick = time.monotonic() - t0
+        assert (pieces, paced_n) == (4, 0)
+        # a record with no overlapped loop: the pace does not apply
+        pieces, paced_n, _ = read_in_gaps(
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=1.0
+        )
+        assert (pieces, paced_n) == (4, 0)
+        f.overlapped = lambda: True  # type: ignore[method-assign]
         evict(p)
         t0 = time.monotonic()
-        pieces_paced, bps = read_in_gaps(
+        pieces, paced_n, bps = read_in_gaps(
             f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=16 << 20
         )
         paced = time.monotonic() - t0
-        assert pieces == pieces_paced == 4 and bps > 0
+        assert (pieces, paced_n) == (4, 4) and bps > 0
         assert paced >= 0.24 and paced > quick
         stop.set()
         t0 = time.monotonic()
-        got, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=1.0)
+        got, _, _ = read_in_gaps(f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=1.0)
         assert got == 0 and time.monotonic() - t0 < 1.0
     finally:
         os.close(fd)

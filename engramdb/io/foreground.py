@@ -188,16 +188,17 @@ def read_in_gaps(
     populate: bool,
     stop: threading.Event,
     pace: float | None = None,
-) -> tuple[int, float]:
+) -> tuple[int, int, float]:
     """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
     each started in a gap between ``record``'s batches that it ends before the next is due
     at the pieces' observed rate ``bps`` (`Foreground.wait_gap`, never waiting more than two
     of their periods): ``WILLNEED`` of exactly the piece, then the wait for it (this
-    process's page tables with ``populate``, else its last page). With ``pace`` (bytes/s)
-    each piece is followed by a pause that holds the paced pieces of all the process's
-    warms together to that rate (`_Pacer`). Returns the
-    pieces read and the updated rate; stops early once ``stop`` is set."""
-    sub = pieces = 0
+    process's page tables with ``populate``, else its last page). With ``pace`` (bytes/s),
+    a piece read while ``record`` is `Foreground.overlapped` is followed by a pause that
+    holds the paced pieces of all the process's warms together to that rate (`_Pacer`).
+    Returns the pieces read, how many of them were paced, and the updated rate; stops
+    early once ``stop`` is set."""
+    sub = pieces = paced = 0
     while sub < n and not stop.is_set():
         record.wait_gap(_PIECE / bps, timeout=max(0.02, 2 * record.period))
         m = min(n - sub, _PIECE)
@@ -211,9 +212,10 @@ def read_in_gaps(
         bps += _EWMA * (m / max(took, 1e-6) - bps)
         pieces += 1
         sub += m
-        if pace is not None:
+        if pace is not None and record.overlapped():
+            paced += 1
             stop.wait(_PACER.reserve(m, pace, t))
-    return pieces, bps
+    return pieces, paced, bps
 
 
 class _Pacer:

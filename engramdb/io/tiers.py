@@ -356,14 +356,13 @@ class BackgroundWarm:
                                 # on the CPU only when nothing else wants it; paced when
                                 # every read of the loop is a prefetch (nobody waits on
                                 # the table, and each byte read slows the loop's compute)
-                                pace = overlap_rate() if FOREGROUND.overlapped() else None
-                                pieces, self._piece_bps = read_in_gaps(
+                                pieces, paced, self._piece_bps = read_in_gaps(
                                     FOREGROUND, own, start + off, addr, n, self._piece_bps,
-                                    populate=self.populate, stop=self._stop, pace=pace,
+                                    populate=self.populate, stop=self._stop,
+                                    pace=overlap_rate(),
                                 )  # fmt: skip
                                 self.gap_pieces += pieces
-                                if pace is not None:
-                                    self.paced_pieces += pieces
+                                self.paced_pieces += paced
                             elif self.bytes_added + (pages - before) * PAGE <= self.budget:
                                 # Faulted in through our own sequential mapping of our
                                 # own descriptor: read-ahead then fills the page cache
