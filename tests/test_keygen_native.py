@@ -96,8 +96,9 @@ def test_pushes_equal_the_numpy_kernel_and_the_full_pass(
         for layer in h.layers[:2]:
             before = _core.kernel_stats["native_positions"]
             got, hist = pushes(h, layer, compressed, local, toks, sizes, mask)
-            # it ran (one sequence's one-token pushes take the pure-Python step instead)
-            ran = toks.size if b > 1 else sum(n for n in sizes if n > 1)
+            # it ran for every position (one-token pushes of a bound batch: its decode step);
+            # Qwen (barriers: no decode step) takes the pure-Python step for one sequence's
+            ran = sum(n for n in sizes if n > 1) if b == 1 and name == "qwen" else toks.size
             assert _core.kernel_stats["native_positions"] - before == ran
             monkeypatch.setattr(native, "_enabled", False)
             want, want_hist = pushes(h, layer, compressed, local, toks, sizes, mask)
@@ -186,8 +187,12 @@ def test_wrapping_ids_through_the_loop_equal_the_oracle(data: st.DataObject) -> 
     cut = data.draw(st.integers(1, length - 1))
     before = _core.kernel_stats["native_positions"]
     got = np.concatenate([s.push(arr[:, :cut]), s.push(arr[:, cut:])], axis=1)
-    # one sequence's one-token pushes take the pure-Python step; every other push the loop
-    ran = sum(n * n_seq for n in (cut, length - cut) if n * n_seq > 1)
+    # every push the loop (one-token pushes of the bound batch: its decode step), except one
+    # sequence's one-token pushes of a kind without the decode step (Qwen: the Python step)
+    if hasattr(h, "step_bound") or n_seq > 1:
+        ran = arr.size
+    else:
+        ran = sum(n for n in (cut, length - cut) if n > 1)
     assert _core.kernel_stats["native_positions"] - before == ran
     for i, seq in enumerate(seqs):
         assert got[i].tolist() == _oracle_for(h, seq, layer)
@@ -210,3 +215,64 @@ def test_layers_past_the_loops_bounds_take_the_numpy_kernel() -> None:
     got = np.concatenate([st.push(toks[:, :3]), st.push(toks[:, 3:])], axis=1)
     assert _core.kernel_stats["native_positions"] == before
     assert np.array_equal(got, h.row_ids(toks, layer=1, compressed=True))
+
+
+STEP_KINDS = [k for k in KINDS if k[0] != "qwen"]  # Qwen's barriers: no decode step
+
+
+@built
+@pytest.mark.parametrize(
+    ("name", "h", "compressed", "bound"), STEP_KINDS, ids=[k[0] for k in STEP_KINDS]
+)
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("b", [1, 8])
+def test_decode_steps_take_the_compiled_step(
+    name: str, h: keygen.Hasher, compressed: bool, bound: int, local: bool, b: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """One-token pushes of a bound batch (contiguous int64 ``[B, 1]``) go to the compiled
+    decode step, which advances the look-back in place: rows and look-back equal the numpy
+    kernel's and the full pass's; other dtypes and strided ids take the general path."""
+    rng = np.random.default_rng(11)
+    toks = rng.integers(0, bound, (b, 40))
+    layer = h.layers[-1]
+
+    def run() -> tuple[keygen.KeyStream, list[np.ndarray]]:
+        st = h.stream(layer=layer, compressed=compressed, local=local)
+        got = [st.push(toks[:, :5])]  # a prefill chunk binds the batch
+        for t in range(5, 30):
+            got.append(st.push(np.ascontiguousarray(toks[:, t : t + 1])))
+        for t in range(30, 35):  # int32: the general path
+            got.append(st.push(toks[:, t : t + 1].astype(np.int32)))
+        wide = np.repeat(toks[:, 35:], 2, axis=1)[:, ::2]  # strided [B, 1] views (B > 1)
+        for t in range(wide.shape[1]):
+            got.append(st.push(wide[:, t : t + 1]))
+        return st, got
+
+    st, got = run()
+    assert st.native_steps == (30 if b == 1 else 25) and st.position == 40  # [1, 1]: contiguous
+    monkeypatch.setattr(native, "_enabled", False)
+    ref, want = run()
+    assert ref.native_steps == 0
+    full = (h.local_ids if local else h.row_ids)(toks, layer=layer, compressed=compressed)
+    for g, w in zip(got, want):
+        assert g.dtype == np.int64 and g.shape == w.shape and np.array_equal(g, w)
+    assert np.array_equal(np.concatenate(got, axis=1), full)
+    assert all(np.array_equal(x, y) for x, y in zip(st.history, ref.history))
+
+
+@built
+@pytest.mark.parametrize("bad", [-1, 500, 1 << 40])
+def test_a_decode_step_out_of_range_raises_and_changes_nothing(bad: int) -> None:
+    h = keygen.preset("deepseek-engram-demo", compressed_vocab_size=500, compressed_pad_id=2)
+    st = h.stream(layer=h.layers[0], compressed=True)
+    st.push(np.array([[3, 4], [5, 6]]))
+    st.push(np.array([[7], [8]]))
+    before = st.history
+    with pytest.raises(TokenIdOutOfRange, match=str(bad)):
+        st.push(np.array([[9], [bad]]))
+    assert all(np.array_equal(x, y) for x, y in zip(st.history, before))
+    nxt = st.push(np.array([[9], [10]]))
+    ref = h.stream(layer=h.layers[0], compressed=True)
+    want = ref.push(np.array([[3, 4, 7, 9], [5, 6, 8, 10]]))[:, -1:]
+    assert np.array_equal(nxt, want) and st.native_steps == 2

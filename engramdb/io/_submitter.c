@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <string.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -55,10 +56,108 @@ out:
     return PyLong_FromLong(result);
 }
 
+
+/* spans(ids, base, rb, align, off, start, ip, span, sqes, pos) -> the step's bytes asked
+ *   A decode step's reads, one per row, written into a ring's submission entries in one pass
+ *   (the numpy version is a dozen calls, each slow inside a model step whose compute has
+ *   just evicted numpy from the CPU caches).
+ *   ids:   sequence of C-contiguous int64 row id buffers (the step's layers, in order), n ids
+ *   base:  int64 [n] each row's file base offset; rb: row bytes; align: a power of two
+ *   off / start / ip / span: int64 [n] outputs: the row's file offset, its aligned read's
+ *          start, the row's offset inside that read, and the read's length (ip + rb rounded
+ *          up to align)
+ *   sqes:  the ring's entries (64 B each), writable; entries pos .. pos + n - 1 get their
+ *          offset (byte 8) and length (byte 24, the 32 bits above it 0); their other fields
+ *          were written before. */
+static PyObject *spans(PyObject *self, PyObject *args) {
+    PyObject *o_ids, *o_base, *o_off, *o_start, *o_ip, *o_span, *o_sqes;
+    long long rb, align;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "OOLLOOOOOn", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
+                          &o_ip, &o_span, &o_sqes, &pos))
+        return NULL;
+    if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(o_ids, "ids must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t parts = PySequence_Fast_GET_SIZE(seq);
+    if (parts > 64) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "at most 64 id buffers");
+        return NULL;
+    }
+    Py_buffer idv[64];
+    Py_buffer v[6];
+    int nid = 0, held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        nid++;
+        if (idv[nid - 1].len % 8) {
+            PyErr_SetString(PyExc_ValueError, "ids must be int64");
+            goto done;
+        }
+        n += idv[nid - 1].len / 8;
+    }
+    PyObject *outs[5] = {o_base, o_off, o_start, o_ip, o_span};
+    for (int i = 0; i < 5; i++) {
+        if (PyObject_GetBuffer(outs[i], &v[held], PyBUF_C_CONTIGUOUS | (i ? PyBUF_WRITABLE : 0)) < 0)
+            goto done;
+        held++;
+        if (v[held - 1].len < n * 8) {
+            PyErr_SetString(PyExc_ValueError, "base / off / start / ip / span hold fewer than n");
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(o_sqes, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    held++;
+    if (v[5].len < (pos + n) * 64) {
+        PyErr_SetString(PyExc_ValueError, "the entries end before pos + n");
+        goto done;
+    }
+    const int64_t *base = (const int64_t *)v[0].buf;
+    int64_t *off = (int64_t *)v[1].buf, *start = (int64_t *)v[2].buf;
+    int64_t *ip = (int64_t *)v[3].buf, *span = (int64_t *)v[4].buf;
+    uint8_t *sq = (uint8_t *)v[5].buf + pos * 64;
+    int64_t mask = ~(int64_t)(align - 1), total = 0;
+    Py_ssize_t k = 0;
+    for (int p = 0; p < nid; p++) {
+        const int64_t *ids = (const int64_t *)idv[p].buf;
+        Py_ssize_t m = idv[p].len / 8;
+        for (Py_ssize_t i = 0; i < m; i++, k++) {
+            int64_t o = ids[i] * rb + base[k];
+            int64_t st = o & mask;
+            int64_t in = o - st;
+            int64_t len = (in + rb + align - 1) & mask;
+            off[k] = o;
+            start[k] = st;
+            ip[k] = in;
+            span[k] = len;
+            total += len;
+            uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
+            memcpy(sq + k * 64 + 8, &uo, 8);
+            memcpy(sq + k * 64 + 24, &ul, 8);
+        }
+    }
+    result = PyLong_FromLongLong(total);
+done:
+    for (int i = 0; i < nid; i++) PyBuffer_Release(&idv[i]);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
      "run(ring_fd, event_fd) -> 0 once a value >= STOP is written, or -errno.\n"
      "Submit a ring's pending entries each time a count is written to event_fd."},
+    {"spans", spans, METH_VARARGS,
+     "spans(ids, base, rb, align, off, start, ip, span, sqes, pos) -> total bytes.\n"
+     "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},
     {NULL, NULL, 0, NULL},
 };
 

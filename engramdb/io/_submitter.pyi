@@ -1,3 +1,15 @@
 STOP: int
 
 def run(ring_fd: int, event_fd: int) -> int: ...
+def spans(
+    ids: object,
+    base: object,
+    rb: int,
+    align: int,
+    off: object,
+    start: object,
+    ip: object,
+    span: object,
+    sqes: object,
+    pos: int,
+) -> int: ...

@@ -48,7 +48,9 @@ import errno as _errno
 import os
 import platform
 import threading
+from collections.abc import Callable
 
+from engramdb.io.columns import native_enabled
 from engramdb.io.uring_ring import (
     IORING_ENTER_SQ_WAKEUP,
     IORING_SQ_NEED_WAKEUP,
@@ -125,6 +127,15 @@ def sqpoll_state() -> tuple[bool, str]:
     """``(polling, why not)`` for this process (makes the anchor ring on first call)."""
     ring = _anchor_ring()
     return ring is not None, str(_anchor["why"])
+
+
+def step_spans() -> Callable[..., int] | None:
+    """The compiled writer of a step's reads into a ring's entries (``_submitter.spans``:
+    each row's offset, aligned start and length, in one call), or None where it is not built
+    or the compiled parts are off (``ENGRAMDB_NATIVE=0``)."""
+    if _native_submitter is None or not native_enabled():
+        return None
+    return getattr(_native_submitter, "spans", None)
 
 
 def submitter_state() -> tuple[bool, str]:

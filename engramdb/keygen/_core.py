@@ -31,7 +31,7 @@ from engramdb.keygen._tables import (
     prepare_out,
     to_int64,
 )
-from engramdb.keygen.native import native_fits, native_rows
+from engramdb.keygen.native import kernel_stats, native_fits, native_rows
 from engramdb.keygen.stream import History, KeyStream, Step
 
 # Re-exported for the kinds and older imports; they live in `engramdb.keygen._tables`.
@@ -55,8 +55,6 @@ __all__ = [
 # per token; 2048 doubles that overhead, 65536 spills the scratch to L3 and is ~25 % slower.
 BLOCK_TOKENS = 8192
 
-# Positions and blocks served by the numpy kernel, positions by the compiled loop (`native`).
-kernel_stats = {"blocks": 0, "positions": 0, "native_positions": 0}
 
 
 # --- the vectorised kernel ------------------------------------------------------------------

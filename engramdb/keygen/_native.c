@@ -189,11 +189,148 @@ done:
 #undef GET
 }
 
+
+/* step(ids, hist_ids, hist_bar, out, mult, primes, offsets, group_step, heads, fill, peft,
+ *      check, lo, hi) -> int
+ *   One decode step: one position per sequence, no barrier or dead flags (the DeepSeek and
+ *   engram-peft kinds without a mask). ids: int64 [S]; hist_ids / hist_bar: the look-back
+ *   ([S, N-1], oldest first), advanced in place; out: int64 [S, C]. With check, every id
+ *   must lie in [lo, hi): the index of the first that does not is returned before anything
+ *   is written; -1 once the step is done. The arithmetic is rows()'s for T = 1. */
+static PyObject *step(PyObject *self, PyObject *args) {
+    PyObject *o_ids, *o_hid, *o_hbar, *o_out, *o_mult, *o_primes, *o_off, *o_step;
+    Py_ssize_t heads;
+    long long fill, lo, hi;
+    int peft, check;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnLppLL", &o_ids, &o_hid, &o_hbar, &o_out, &o_mult,
+                          &o_primes, &o_off, &o_step, &heads, &fill, &peft, &check, &lo, &hi))
+        return NULL;
+    Py_buffer v[8];
+    int held = 0;
+    PyObject *result = NULL;
+#define GET(obj, want, wr, name)                                   \
+    do {                                                           \
+        if (get((obj), &v[held], (want), (wr), (name)) < 0) goto done; \
+        held++;                                                    \
+    } while (0)
+    if (PyObject_GetBuffer(o_mult, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    held++;
+    Py_ssize_t n_max = v[0].len / 8;
+    if (n_max < 2 || n_max > MAX_NGRAM || v[0].len % 8) {
+        PyErr_Format(PyExc_ValueError, "2 to %d multipliers, got %zd bytes", MAX_NGRAM, v[0].len);
+        goto done;
+    }
+    if (PyObject_GetBuffer(o_step, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    held++;
+    Py_ssize_t groups = v[1].len / 8;
+    if (groups < 1 || groups > MAX_GROUPS || v[1].len % 8 || heads < 1) {
+        PyErr_Format(PyExc_ValueError, "1 to %d head groups of >= 1 head", MAX_GROUPS);
+        goto done;
+    }
+    Py_ssize_t cols = groups * heads, h = n_max - 1;
+    if (PyObject_GetBuffer(o_ids, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    held++;
+    Py_ssize_t n_seq = v[2].len / 8;
+    if (n_seq < 1 || v[2].len % 8) {
+        PyErr_SetString(PyExc_ValueError, "ids must be int64 [S], S >= 1");
+        goto done;
+    }
+    const int64_t *mult = (const int64_t *)v[0].buf;
+    const int64_t *gstep = (const int64_t *)v[1].buf;
+    const int64_t *ids = (const int64_t *)v[2].buf;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        if (gstep[g] < 0 || gstep[g] >= n_max) {
+            PyErr_Format(PyExc_ValueError, "group %zd reads term %lld of %zd", g,
+                         (long long)gstep[g], n_max);
+            goto done;
+        }
+    }
+    GET(o_hid, n_seq * h * 8, 1, "hist_ids");
+    int64_t *hid = (int64_t *)v[held - 1].buf;
+    GET(o_hbar, n_seq * h, 1, "hist_bar");
+    uint8_t *hbar = (uint8_t *)v[held - 1].buf;
+    GET(o_out, n_seq * cols * 8, 1, "out");
+    int64_t *out = (int64_t *)v[held - 1].buf;
+    GET(o_primes, cols * 8, 0, "primes");
+    const int64_t *primes = (const int64_t *)v[held - 1].buf;
+    for (Py_ssize_t c = 0; c < cols; c++) {
+        if (primes[c] < 1) {
+            PyErr_Format(PyExc_ValueError, "prime %zd is %lld", c, (long long)primes[c]);
+            goto done;
+        }
+    }
+    const int64_t *off = NULL;
+    if (o_off != Py_None) {
+        GET(o_off, cols * 8, 0, "offsets");
+        off = (const int64_t *)v[held - 1].buf;
+    }
+    if (check) {
+        for (Py_ssize_t s = 0; s < n_seq; s++) {
+            if (ids[s] < lo || ids[s] >= hi) {
+                result = PyLong_FromSsize_t(s);
+                goto done;
+            }
+        }
+    }
+    Py_ssize_t first[MAX_NGRAM + 1];
+    Py_ssize_t order[MAX_GROUPS];
+    Py_ssize_t k = 0;
+    for (Py_ssize_t j = 0; j < n_max; j++) {
+        first[j] = k;
+        for (Py_ssize_t g = 0; g < groups; g++)
+            if (gstep[g] == j) order[k++] = g;
+    }
+    first[n_max] = k;
+    for (Py_ssize_t s = 0; s < n_seq; s++) {
+        int64_t *hs = hid + s * h;
+        uint8_t *hb = hbar + s * h;
+        uint64_t tok[MAX_NGRAM];
+        int blocked = 0;
+        tok[0] = (uint64_t)ids[s];
+        for (Py_ssize_t b = 1; b < n_max; b++) {
+            Py_ssize_t q = h - b; /* b back: the look-back, newest last */
+            blocked = blocked || hb[q] != 0;
+            tok[b] = blocked ? (uint64_t)fill : (uint64_t)hs[q];
+        }
+        int64_t *o = out + s * cols;
+        uint64_t acc = 0;
+        for (Py_ssize_t j = 0; j < n_max; j++) {
+            uint64_t term = tok[peft ? n_max - 1 - j : j] * (uint64_t)mult[j];
+            acc = j ? acc ^ term : term;
+            int64_t mix = (int64_t)acc;
+            for (Py_ssize_t e = first[j]; e < first[j + 1]; e++) {
+                Py_ssize_t c0 = order[e] * heads;
+                for (Py_ssize_t c = c0; c < c0 + heads; c++) {
+                    int64_t r = mix % primes[c];
+                    if (r < 0) r += primes[c];
+                    o[c] = off ? r + off[c] : r;
+                }
+            }
+        }
+        /* advance the look-back: drop the oldest, append this position (no barrier) */
+        for (Py_ssize_t i = 0; i + 1 < h; i++) {
+            hs[i] = hs[i + 1];
+            hb[i] = hb[i + 1];
+        }
+        hs[h - 1] = ids[s];
+        hb[h - 1] = 0;
+    }
+    result = PyLong_FromLong(-1);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
+    return result;
+#undef GET
+}
+
 static PyMethodDef methods[] = {
     {"rows", rows, METH_VARARGS,
      "rows(ids, bar, dead, hist_ids, hist_bar, out, new_ids, new_bar, mult, primes, offsets,\n"
      "     group_step, heads, fill, peft) -> None. Row ids of pushed positions after a\n"
      "look-back, and the look-back after them."},
+    {"step", step, METH_VARARGS,
+     "step(ids, hist_ids, hist_bar, out, mult, primes, offsets, group_step, heads, fill,\n"
+     "     peft, check, lo, hi) -> int. One position per sequence, look-back advanced in\n"
+     "place; the index of the first id outside [lo, hi) (nothing written), else -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,3 +17,20 @@ def rows(
     fill: int,
     peft: bool,
 ) -> None: ...
+
+def step(
+    ids: ndarray,
+    hist_ids: ndarray,
+    hist_bar: ndarray,
+    out: ndarray,
+    mult: ndarray,
+    primes: ndarray,
+    offsets: ndarray | None,
+    group_step: ndarray,
+    heads: int,
+    fill: int,
+    peft: bool,
+    check: bool,
+    lo: int,
+    hi: int,
+) -> int: ...

@@ -121,6 +121,15 @@ class DeepSeekHasher(Hasher):
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         return ids2, mask2, mask2
 
+    def step_bound(self, compressed: bool, strict: bool) -> tuple[bool, int | None]:
+        """Whether a decode step of unmasked ids is hashed as given after one range check
+        (`engramdb.keygen.native.native_step`), and that check's exclusive upper bound
+        (None: none). Raises what `_encode` raises for an unusable combination."""
+        self._check_encodable(compressed, strict)
+        if not compressed:
+            return False, None  # the tokenizer map runs first
+        return True, self.id_bound if strict else None
+
     def _encode_fn(self, compressed: bool, strict: bool) -> Callable[[int], int]:
         self._check_encodable(compressed, strict)
         if compressed:

@@ -16,6 +16,7 @@ Optional: built by ``pip install`` where a C compiler is present; without it, or
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -28,7 +29,15 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _native = None
 
-__all__ = ["NATIVE_ENV", "native_enabled", "native_fits", "native_rows", "use_native"]
+__all__ = [
+    "NATIVE_ENV",
+    "kernel_stats",
+    "native_enabled",
+    "native_fits",
+    "native_rows",
+    "native_step",
+    "use_native",
+]
 
 #: ``0`` turns the compiled parts off (this loop, and the column gather of
 #: ``engramdb.io.columns``); the numpy paths run instead.
@@ -40,6 +49,10 @@ MAX_NGRAM = 16
 MAX_GROUPS = 64
 
 _enabled: bool | None = None
+
+#: Positions and blocks served by the numpy kernel, positions by the compiled loop (its
+#: batched `native_rows` and its decode `native_step`), for tests and probes.
+kernel_stats = {"blocks": 0, "positions": 0, "native_positions": 0}
 
 
 def native_enabled() -> bool:
@@ -105,3 +118,42 @@ def native_rows(
         lt.peft_orders is not None,
     )
     return new_ids, new_bar
+
+
+#: ``step(ids [S], hist_ids [S, N-1], hist_bar [S, N-1], out [S, C]) -> int``: see `native_step`.
+NativeStep = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
+
+
+def native_step(lt: LayerTables, fill: int, local: bool, bound: int | None) -> NativeStep:
+    """The compiled one-position decode step of layer ``lt`` (call only where `native_fits`),
+    its constants bound: ``step(ids, hist_ids, hist_bar, out)`` hashes int64 ``ids`` ``[S]``
+    (one new position per sequence, unmasked) after the look-back ``hist_ids`` /
+    ``hist_bar`` ``[S, N-1]``, which it advances in place, into ``out`` ``[S, C]`` (local
+    ids when ``local``). With ``bound``, every id must lie in ``[0, bound)``: the index of
+    the first that does not comes back before anything is written; -1 when done."""
+    assert _native is not None
+    fn = _native.step
+    mult, primes, steps = lt.multipliers, lt.primes, lt.group_steps
+    offsets = None if local else lt.offsets
+    heads, peft = lt.heads_per_ngram, lt.peft_orders is not None
+    check, hi = bound is not None, 0 if bound is None else int(bound)
+
+    def step(ids: np.ndarray, hist_ids: np.ndarray, hist_bar: np.ndarray, out: np.ndarray) -> int:
+        return fn(
+            ids,
+            hist_ids,
+            hist_bar,
+            out,
+            mult,
+            primes,
+            offsets,
+            steps,
+            heads,
+            fill,
+            peft,
+            check,
+            0,
+            hi,
+        )  # type: ignore[no-any-return]
+
+    return step

@@ -71,6 +71,11 @@ class PeftHasher(DeepSeekHasher):
             return to_int64(arr)
         return super()._encode(arr, compressed, strict)
 
+    def step_bound(self, compressed: bool, strict: bool) -> tuple[bool, int | None]:
+        if self.raw_is_compressed and not compressed:
+            return True, self.id_bound if strict else None
+        return super().step_bound(compressed, strict)
+
     def _encode_fn(self, compressed: bool, strict: bool) -> Callable[[int], int]:
         if self.raw_is_compressed and not compressed:
             if not strict or self.id_bound is None:

@@ -12,8 +12,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engramdb.errors import InvalidDtype, ShapeMismatch
+from engramdb.errors import EngramDBError, InvalidDtype, ShapeMismatch
 from engramdb.keygen._tables import LayerTables, RowMode, as_token_array
+from engramdb.keygen.native import NativeStep, kernel_stats, native_fits, native_step
 
 __all__ = ["KeyStream", "Step", "StepSource"]
 
@@ -21,6 +22,8 @@ __all__ = ["KeyStream", "Step", "StepSource"]
 #: ``bars`` (the last N-1 hashed ids and barrier flags, oldest first) are updated in place.
 Step = Callable[[int, bool, list[int], list[bool]], np.ndarray]
 
+
+_INT64 = np.dtype(np.int64)
 
 #: A stream's look-back state: ids and barrier flags, ``[B, N-1]`` each.
 History = tuple[np.ndarray, np.ndarray]
@@ -48,8 +51,11 @@ class KeyStream:
 
     The batch shape is fixed by the first push (``[T]`` pushes: one sequence; ``[B, T]``:
     B sequences). A single-sequence push of one token takes a pure-Python path (a few
-    microseconds, no numpy dispatch); larger pushes take the vectorised kernel. The counters
-    ``fast_steps`` and ``batched_pushes`` say which path served the calls.
+    microseconds, no numpy dispatch); larger pushes take the vectorised kernel. A decode step
+    of a batch (int64 ``[*batch, 1]``, no mask) of a kind that hashes ids as given (DeepSeek,
+    engram-peft) goes straight to the compiled step (`engramdb.keygen.native.native_step`):
+    one call, the look-back advanced in place. The counters ``fast_steps``,
+    ``batched_pushes`` and ``native_steps`` say which path served the calls.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class KeyStream:
         self._n_heads = lt.n_heads  # the old name, read by engramdb.decode until it reads n_heads
         self.fast_steps = 0
         self.batched_pushes = 0
+        self.native_steps = 0
         self.reset()
 
     def __repr__(self) -> str:
@@ -80,6 +87,7 @@ class KeyStream:
             f"KeyStream(hasher={getattr(self._h, 'name', None) or type(self._h).__name__!r}, layer={self.layer}, "
             f"n_heads={self.n_heads}, position={self.position}, compressed={self.compressed})"
         )
+
     def reset(self) -> None:
         """Forget every sequence: the next push starts fresh (any batch shape)."""
         self.batch_shape: tuple[int, ...] | None = None
@@ -90,6 +98,10 @@ class KeyStream:
         self._bar: list[bool] = [True] * h
         self._np_ids: np.ndarray | None = None
         self._np_bar: np.ndarray | None = None
+        #: The compiled decode step of the bound batch (None: none) and the shapes it takes.
+        self._native: NativeStep | None = None
+        self._native_in: tuple[int, ...] = ()
+        self._native_out: tuple[int, ...] = ()
 
     @property
     def history(self) -> tuple[np.ndarray, np.ndarray]:
@@ -109,9 +121,14 @@ class KeyStream:
         if self.batch_shape is None:
             self.batch_shape = batch
             n_seq = math.prod(batch)
-            if n_seq != 1:
+            step = self._native_step() if batch and n_seq else None
+            if n_seq != 1 or step is not None:
                 self._np_ids = np.full((n_seq, self._hist_len), self._h.fill_id, dtype=np.int64)
                 self._np_bar = np.ones((n_seq, self._hist_len), dtype=np.bool_)
+            if step is not None:
+                self._native = step
+                self._native_in = (*batch, 1)
+                self._native_out = (*batch, 1, self.n_heads)
         elif batch != self.batch_shape:
             raise ShapeMismatch(
                 f"stream holds sequences of batch shape {self.batch_shape}, pushed {batch}"
@@ -123,6 +140,23 @@ class KeyStream:
         ``mask`` (bool like ``token_ids``) marks dead positions, with the hasher's rules.
         Advances every sequence by T tokens.
         """
+        step = self._native
+        if (
+            step is not None
+            and mask is None
+            and type(token_ids) is np.ndarray
+            and token_ids.shape == self._native_in
+            and token_ids.dtype is _INT64
+            and token_ids.flags.c_contiguous
+        ):
+            rows = np.empty(self._native_out, dtype=np.int64)
+            assert self._np_ids is not None and self._np_bar is not None
+            if step(token_ids, self._np_ids, self._np_bar, rows) < 0:
+                self.position += 1
+                self.native_steps += 1
+                kernel_stats["native_positions"] += token_ids.size
+                return rows
+            # an id outside the vocabulary (nothing written): the general path raises
         if type(token_ids) is int or (
             isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool)
         ):
@@ -149,6 +183,20 @@ class KeyStream:
             self.fast_steps += 1
             return rows.reshape((*arr.shape, self.n_heads))
         return self._batched(arr, mask)
+
+    def _native_step(self) -> NativeStep | None:
+        """The compiled decode step for this stream's layer, where its kind hashes unmasked
+        ids as given (`step_bound`) and the loop is built and fits; else None."""
+        bound_of = getattr(self._h, "step_bound", None)
+        if bound_of is None or not native_fits(self._lt):
+            return None
+        try:
+            ok, bound = bound_of(self.compressed, self.strict)
+        except EngramDBError:  # an unusable combination: the general path raises it
+            return None
+        if not ok:
+            return None
+        return native_step(self._lt, self._h.fill_id, self.local, bound)
 
     def _batched(self, arr: np.ndarray, mask: Any) -> np.ndarray:
         n_seq = math.prod(arr.shape[:-1])

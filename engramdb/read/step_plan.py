@@ -20,6 +20,7 @@ __all__ = [
     "StepTable",
     "StepTicket",
     "grid_view",
+    "plan_spans",
     "stride",
 ]
 
@@ -155,3 +156,34 @@ def grid_view(
     if layer < 0:
         return np.moveaxis(grid, len(lead), 0)
     return grid[(slice(None),) * len(lead) + (layer,)]
+
+
+def plan_spans(plan: Plan, ids: list[np.ndarray]) -> None:
+    """Each row's file offset, its aligned read (start ``tmp``, length ``span``) and the
+    row's place in it (``ip``), into ``plan``, with numpy (``ids``: the step's layers' row
+    ids in order; a plan over several files also gets each row's descriptors)."""
+    off, tmp, span, rb = plan.off, plan.tmp, plan.span, plan.rb
+    if plan.single_file:
+        flat = ids[0].reshape(-1) if len(ids) == 1 else np.concatenate([i.reshape(-1) for i in ids])
+        np.multiply(flat, rb, out=off)
+        off += plan.base
+    else:
+        lo = 0
+        for lay, layer_ids in zip(plan.layouts, ids):
+            hi = lo + layer_ids.size
+            flat = layer_ids.reshape(-1)
+            if lay.rows_per_file:
+                f, local = np.divmod(flat, lay.rows_per_file)
+                np.multiply(local, lay.row_bytes, out=off[lo:hi])
+                plan.fd[lo:hi] = lay.dfds[f]
+                plan.src_fd[lo:hi] = lay.fds[f]
+            else:
+                np.multiply(flat, lay.row_bytes, out=off[lo:hi])
+                off[lo:hi] += lay.base
+            lo = hi
+    np.bitwise_and(off, plan.mask, out=tmp)
+    ip = plan.ip
+    np.subtract(off, tmp, out=ip)  # where the row starts in its span
+    np.add(ip, rb + plan.align - 1, out=span)
+    np.bitwise_and(span, plan.mask, out=span)
+    plan.span_total = int(span.sum())

@@ -57,7 +57,7 @@ from engramdb.errors import TruncatedFile
 from engramdb.io.base import fd_path, read_error
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.mapping import prefault
-from engramdb.io.sqpoll import polled_ring, submit_pushed
+from engramdb.io.sqpoll import polled_ring, step_spans, submit_pushed
 from engramdb.io.uring import IoUringBackend
 from engramdb.io.uring_ring import (
     IORING_ENTER_GETEVENTS,
@@ -76,6 +76,7 @@ from engramdb.read.step_plan import (
     Plan,
     StepTable,
     StepTicket,
+    plan_spans,
     stride,
 )
 
@@ -118,6 +119,8 @@ class StepReader:
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
         self.closed = False
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
+        #: The compiled writer of a step's reads (`engramdb.io.sqpoll.step_spans`), or None.
+        self._spans_fn = step_spans()
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -230,27 +233,13 @@ class StepReader:
             self._owned[0] = ring
             self._ring_plan = None
             self._cols.clear()
-        # each row's file offset, and its aligned span
-        ids = (
-            jobs[0][1].reshape(-1)
-            if len(jobs) == 1
-            else np.concatenate([j[1].reshape(-1) for j in jobs])
-        )
-        off, tmp, span, rb = plan.off, plan.tmp, plan.span, plan.rb
-        if plan.single_file:
-            np.multiply(ids, rb, out=off)
-            off += plan.base
-        else:
-            self._multi_file(plan, jobs, off)
-            self._ring_plan = None  # descriptors change per step
-        np.bitwise_and(off, plan.mask, out=tmp)
-        ip = plan.ip
-        np.subtract(off, tmp, out=ip)  # where the row starts in its span
-        np.add(ip, rb + plan.align - 1, out=span)
-        np.bitwise_and(span, plan.mask, out=span)
-        plan.span_total = int(span.sum())
-        # into the submission entries: straight into the ring's slots where they do not wrap
-        # (descriptor, address and tag written once per plan and position), else staged
+        # each row's file offset, its aligned span, into the submission entries: straight
+        # into the ring's slots where they do not wrap (descriptor, address and tag written
+        # once per plan and position), else staged
+        computed = not plan.single_file
+        if computed:  # several files: the descriptors change per step (entries staged again)
+            plan_spans(plan, [j[1] for j in jobs])
+            self._ring_plan = None
         tail = int(ring.sq_tail[0])
         pos = tail & ring.sq_mask
         if pos + n <= ring.entries:
@@ -262,16 +251,22 @@ class StepReader:
                 ring.sqes[pos : pos + n] = _staged(ring, plan)
                 words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
                 cols = self._cols[pos] = (words[:, 1], words[:, 3])
-            np.copyto(cols[0], tmp, casting="unsafe")  # off
-            np.copyto(cols[1], span, casting="unsafe")  # len (rw_flags, the high half, 0)
+            if computed or not self._spans_compiled(jobs, plan, ring, pos):
+                if not computed:
+                    plan_spans(plan, [j[1] for j in jobs])
+                np.copyto(cols[0], plan.tmp, casting="unsafe")  # off
+                np.copyto(cols[1], plan.span, casting="unsafe")  # len (rw_flags, the high half, 0)
             ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
         else:
+            if not computed:
+                plan_spans(plan, [j[1] for j in jobs])
             self._cols.clear()
             self._ring_plan = None
             st = _staged(ring, plan)
-            st["off"] = tmp
-            st["len"] = span
+            st["off"] = plan.tmp
+            st["len"] = plan.span
             ring.push(n)
+        off = plan.off
         if self._got.size < n:
             self._got = np.empty(max(n, 256), np.int64)
         self._checked = False
@@ -303,24 +298,23 @@ class StepReader:
             ring.close()
         return True
 
-    @staticmethod
-    def _multi_file(
-        plan: Plan, jobs: list[tuple[StepTable, np.ndarray, StepTicket]], off: np.ndarray
-    ) -> None:
-        """File offsets and descriptors of a step over tables of several files (shards)."""
-        lo = 0
-        for lay, (_, ids, _) in zip(plan.layouts, jobs):
-            hi = lo + ids.size
-            flat = ids.reshape(-1)
-            if lay.rows_per_file:
-                f, local = np.divmod(flat, lay.rows_per_file)
-                np.multiply(local, lay.row_bytes, out=off[lo:hi])
-                plan.fd[lo:hi] = lay.dfds[f]
-                plan.src_fd[lo:hi] = lay.fds[f]
-            else:
-                np.multiply(flat, lay.row_bytes, out=off[lo:hi])
-                off[lo:hi] += lay.base
-            lo = hi
+    def _spans_compiled(
+        self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]], plan: Plan, ring: Ring, pos: int
+    ) -> bool:
+        """The step's reads of one file per table written into entries ``pos..`` of ``ring``
+        and into ``plan`` (offsets, starts, spans, their total) by one compiled call; False
+        (nothing to trust) where it is not built or an id buffer is not contiguous int64."""
+        spans = self._spans_fn
+        if spans is None:
+            return False
+        try:
+            plan.span_total = spans(
+                [j[1] for j in jobs], plan.base, plan.rb, plan.align, plan.off, plan.tmp,
+                plan.ip, plan.span, ring.sqes, pos,
+            )  # fmt: skip
+        except (ValueError, BufferError, TypeError):
+            return False
+        return True
 
     # -- completion --------------------------------------------------------------------------
     def _reap_step(self) -> bool:
