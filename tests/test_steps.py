@@ -23,7 +23,7 @@ from engramdb.errors import TruncatedFile
 from engramdb.io.advise import willneed_rows
 from engramdb.io.foreground import Foreground
 from engramdb.io.mapping import map_file_aligned, range_pages, unmap_range
-from engramdb.read.step_plan import StepTicket
+from engramdb.read.step_plan import StepTicket, grid_view
 from engramdb.read.steps import StepReader
 from engramdb.testing.pages import evict
 
@@ -116,7 +116,7 @@ def test_step_entries_written_by_either_path_read_the_same_rows(
         st = db["t"]
         reader = StepReader()
         if not compiled:
-            reader._spans_fn = None
+            reader._spans_fn = reader._copy_fn = None
         elif reader._spans_fn is None:
             pytest.skip("the compiled step writer is not built")
         for step in range(9):  # 2 x 44 rows a step: the 256-entry ring wraps on the 3rd
@@ -129,25 +129,36 @@ def test_step_entries_written_by_either_path_read_the_same_rows(
         reader.close()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_finish_into_writes_a_strided_destination_per_ticket(
-    tmp_path: Path, rng: np.random.Generator
+    tmp_path: Path, rng: np.random.Generator, compiled: bool
 ) -> None:
     full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
     engramdb.build(tmp_path, "t", 160, [full], rows_per_badge=128)
     with engramdb.open(tmp_path) as db:
         st = db["t"]
         reader = StepReader()
-        a = rng.integers(0, 4000, (3, 8)).astype(np.int64)  # [B, H]
-        b = rng.integers(0, 4000, (3, 8)).astype(np.int64)
-        ta, tb = StepTicket(a), StepTicket(b)
-        assert reader.submit([(st, a, ta), (st, b, tb)])
-        out = np.zeros((3, 2, 8, 160), np.uint8)  # [B, L, H, rb]: each layer's slice strided
-        unit = reader.step_unit
-        for i, t in ((1, tb), (0, ta)):  # any order
-            dest = out[:, i].reshape(3, 8, 160 // unit, unit)
-            assert reader.finish_into(dest, t)
-            assert not reader.finish_into(dest, t)  # collected: nothing more
-        assert np.array_equal(out[:, 0], full[a]) and np.array_equal(out[:, 1], full[b])
+        if not compiled:
+            reader._copy_fn = reader._spans_fn = None
+        elif reader._copy_fn is None:
+            pytest.skip("the compiled step copier is not built")
+        for step in range(2):  # per ticket, then the whole step at once
+            evict(tmp_path / st.info.shards[0].path)
+            a = rng.integers(0, 4000, (3, 8)).astype(np.int64)  # [B, H]
+            b = rng.integers(0, 4000, (3, 8)).astype(np.int64)
+            ta, tb = StepTicket(a), StepTicket(b)
+            assert reader.submit([(st, a, ta), (st, b, tb)])
+            out = np.zeros((3, 2, 8, 160), np.uint8)  # [B, L, H, rb]: each layer's slice strided
+            unit = reader.step_unit
+            if step == 0:
+                for i, t in ((1, tb), (0, ta)):  # any order
+                    dest = grid_view(out, (3,), 2, 8, unit, i)
+                    assert reader.finish_into(dest, t)
+                    assert not reader.finish_into(dest, t)  # collected: nothing more
+            else:
+                assert reader.finish_into(grid_view(out, (3,), 2, 8, unit, -1))  # [L, B, H, ...]
+                assert ta.state == tb.state == "done"
+            assert np.array_equal(out[:, 0], full[a]) and np.array_equal(out[:, 1], full[b])
         reader.close()
 
 

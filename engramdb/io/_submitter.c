@@ -57,7 +57,7 @@ out:
 }
 
 
-/* spans(ids, base, rb, align, off, start, ip, span, sqes, pos) -> the step's bytes asked
+/* spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals) -> the step's bytes asked
  *   A decode step's reads, one per row, written into a ring's submission entries in one pass
  *   (the numpy version is a dozen calls, each slow inside a model step whose compute has
  *   just evicted numpy from the CPU caches).
@@ -68,13 +68,14 @@ out:
  *          up to align)
  *   sqes:  the ring's entries (64 B each), writable; entries pos .. pos + n - 1 get their
  *          offset (byte 8) and length (byte 24, the 32 bits above it 0); their other fields
- *          were written before. */
+ *          were written before
+ *   totals: int64 [parts] output: the bytes asked for each id buffer's rows. */
 static PyObject *spans(PyObject *self, PyObject *args) {
-    PyObject *o_ids, *o_base, *o_off, *o_start, *o_ip, *o_span, *o_sqes;
+    PyObject *o_ids, *o_base, *o_off, *o_start, *o_ip, *o_span, *o_sqes, *o_tot;
     long long rb, align;
     Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "OOLLOOOOOn", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
-                          &o_ip, &o_span, &o_sqes, &pos))
+    if (!PyArg_ParseTuple(args, "OOLLOOOOOnO", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
+                          &o_ip, &o_span, &o_sqes, &pos, &o_tot))
         return NULL;
     if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
         PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
@@ -89,7 +90,7 @@ static PyObject *spans(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer idv[64];
-    Py_buffer v[6];
+    Py_buffer v[7];
     int nid = 0, held = 0;
     PyObject *result = NULL;
     Py_ssize_t n = 0;
@@ -119,6 +120,13 @@ static PyObject *spans(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the entries end before pos + n");
         goto done;
     }
+    if (PyObject_GetBuffer(o_tot, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    held++;
+    if (v[6].len < nid * 8) {
+        PyErr_SetString(PyExc_ValueError, "totals holds fewer than one per id buffer");
+        goto done;
+    }
+    int64_t *totals = (int64_t *)v[6].buf;
     const int64_t *base = (const int64_t *)v[0].buf;
     int64_t *off = (int64_t *)v[1].buf, *start = (int64_t *)v[2].buf;
     int64_t *ip = (int64_t *)v[3].buf, *span = (int64_t *)v[4].buf;
@@ -128,6 +136,7 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     for (int p = 0; p < nid; p++) {
         const int64_t *ids = (const int64_t *)idv[p].buf;
         Py_ssize_t m = idv[p].len / 8;
+        int64_t part = 0;
         for (Py_ssize_t i = 0; i < m; i++, k++) {
             int64_t o = ids[i] * rb + base[k];
             int64_t st = o & mask;
@@ -137,11 +146,13 @@ static PyObject *spans(PyObject *self, PyObject *args) {
             start[k] = st;
             ip[k] = in;
             span[k] = len;
-            total += len;
+            part += len;
             uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
             memcpy(sq + k * 64 + 8, &uo, 8);
             memcpy(sq + k * 64 + 24, &ul, 8);
         }
+        totals[p] = part;
+        total += part;
     }
     result = PyLong_FromLongLong(total);
 done:
@@ -151,13 +162,80 @@ done:
     return result;
 }
 
+
+/* copy_out(dest, buf, slot, ip, lo) -> None
+ *   Rows lo .. lo + R - 1 of a step, out of the reader's staging buffer into dest (one
+ *   memcpy each, in place of an index computation and a gather of units).
+ *   dest: writable uint8 array whose last two axes hold one row contiguously (k, unit:
+ *         strides unit and 1) and whose leading axes (any strides) are the R rows' grid, in
+ *         submission order when walked in C order
+ *   buf:  the staging buffer; slot / ip: int64 [n] each request's slot and the row's offset
+ *         inside it (row i is at buf + slot[i] + ip[i]). */
+static PyObject *copy_out(PyObject *self, PyObject *args) {
+    PyObject *o_dest, *o_buf, *o_slot, *o_ip;
+    Py_ssize_t lo;
+    if (!PyArg_ParseTuple(args, "OOOOn", &o_dest, &o_buf, &o_slot, &o_ip, &lo)) return NULL;
+    Py_buffer d, v[3];
+    int held = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(o_dest, &d, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) return NULL;
+    int nd = d.ndim;
+    if (nd < 2 || nd > 16 || d.itemsize != 1 || d.strides[nd - 1] != 1 ||
+        d.strides[nd - 2] != d.shape[nd - 1] || d.suboffsets != NULL) {
+        PyErr_SetString(PyExc_ValueError, "dest must be uint8 [..., k, unit], rows contiguous");
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    Py_ssize_t rb = d.shape[nd - 2] * d.shape[nd - 1], rows = 1;
+    for (int i = 0; i < nd - 2; i++) rows *= d.shape[i];
+    PyObject *srcs[3] = {o_buf, o_slot, o_ip};
+    for (int i = 0; i < 3; i++) {
+        if (PyObject_GetBuffer(srcs[i], &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        held++;
+    }
+    Py_ssize_t n = v[1].len / 8;
+    if (lo < 0 || lo + rows > n || v[2].len / 8 < n) {
+        PyErr_SetString(PyExc_ValueError, "rows past the step's requests");
+        goto done;
+    }
+    const uint8_t *buf = (const uint8_t *)v[0].buf;
+    const int64_t *slot = (const int64_t *)v[1].buf, *ip = (const int64_t *)v[2].buf;
+    for (Py_ssize_t i = lo; i < lo + rows; i++) {
+        if (slot[i] < 0 || ip[i] < 0 || slot[i] + ip[i] + rb > v[0].len) {
+            PyErr_SetString(PyExc_ValueError, "a row past the staging buffer");
+            goto done;
+        }
+    }
+    Py_ssize_t idx[16] = {0};
+    int lead = nd - 2;
+    uint8_t *base = (uint8_t *)d.buf;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        Py_ssize_t at = 0;
+        for (int a = 0; a < lead; a++) at += idx[a] * d.strides[a];
+        memcpy(base + at, buf + slot[lo + r] + ip[lo + r], (size_t)rb);
+        for (int a = lead - 1; a >= 0; a--) { /* the next row in C order */
+            if (++idx[a] < d.shape[a]) break;
+            idx[a] = 0;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
+    PyBuffer_Release(&d);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
      "run(ring_fd, event_fd) -> 0 once a value >= STOP is written, or -errno.\n"
      "Submit a ring's pending entries each time a count is written to event_fd."},
     {"spans", spans, METH_VARARGS,
-     "spans(ids, base, rb, align, off, start, ip, span, sqes, pos) -> total bytes.\n"
+     "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},
+    {"copy_out", copy_out, METH_VARARGS,
+     "copy_out(dest, buf, slot, ip, lo) -> None. A step's rows lo.. from the staging\n"
+     "buffer into dest's grid of contiguous rows."},
     {NULL, NULL, 0, NULL},
 };
 

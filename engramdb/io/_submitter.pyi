@@ -12,4 +12,6 @@ def spans(
     span: object,
     sqes: object,
     pos: int,
+    totals: object,
 ) -> int: ...
+def copy_out(dest: object, buf: object, slot: object, ip: object, lo: int) -> None: ...

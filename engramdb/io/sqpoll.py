@@ -49,6 +49,7 @@ import os
 import platform
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from engramdb.io.columns import native_enabled
 from engramdb.io.uring_ring import (
@@ -129,13 +130,14 @@ def sqpoll_state() -> tuple[bool, str]:
     return ring is not None, str(_anchor["why"])
 
 
-def step_spans() -> Callable[..., int] | None:
-    """The compiled writer of a step's reads into a ring's entries (``_submitter.spans``:
-    each row's offset, aligned start and length, in one call), or None where it is not built
-    or the compiled parts are off (``ENGRAMDB_NATIVE=0``)."""
+def step_compiled(name: str) -> Callable[..., Any] | None:
+    """A compiled part of a decode step's reads from ``_submitter``, or None where it is not
+    built or the compiled parts are off (``ENGRAMDB_NATIVE=0``): ``"spans"`` writes a step's
+    reads into a ring's entries (each row's offset, aligned start and length, in one call),
+    ``"copy_out"`` copies its rows from the staging buffer into the engine's buffer."""
     if _native_submitter is None or not native_enabled():
         return None
-    return getattr(_native_submitter, "spans", None)
+    return getattr(_native_submitter, name, None)
 
 
 def submitter_state() -> tuple[bool, str]:

@@ -141,6 +141,8 @@ class Plan:
         self.base_idx = self.slot_units[:, None] + self.unit_ar  # each row's units, at ip 0
         self.units: np.ndarray | None = None  # the staging buffer as [*, unit] (set by the reader)
         self.span_total = 0  # per step: the bytes asked of the device
+        self.part_span = np.zeros(len(layouts), np.int64)  # per step: those of each table
+        self.starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # each table's first request
 
 
 def grid_view(
@@ -186,4 +188,5 @@ def plan_spans(plan: Plan, ids: list[np.ndarray]) -> None:
     np.subtract(off, tmp, out=ip)  # where the row starts in its span
     np.add(ip, rb + plan.align - 1, out=span)
     np.bitwise_and(span, plan.mask, out=span)
-    plan.span_total = int(span.sum())
+    np.add.reduceat(span, plan.starts, out=plan.part_span)
+    plan.span_total = int(plan.part_span.sum())

@@ -57,7 +57,7 @@ from engramdb.errors import TruncatedFile
 from engramdb.io.base import fd_path, read_error
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.mapping import prefault
-from engramdb.io.sqpoll import polled_ring, step_spans, submit_pushed
+from engramdb.io.sqpoll import polled_ring, step_compiled, submit_pushed
 from engramdb.io.uring import IoUringBackend
 from engramdb.io.uring_ring import (
     IORING_ENTER_GETEVENTS,
@@ -114,13 +114,16 @@ class StepReader:
         self._error: BaseException | None = None  # a read of the current step that failed
         self._left = 0  # requests of the current step not reaped yet
         self._routed = False  # completions read one by one this step (no whole-step sum)
-        self._ready: set[int] = set()  # tickets (by lo) whose reads are checked, idx computed
+        self._ready: set[int] = set()  # tickets (by lo) whose reads are checked
+        self._indexed: set[int] = set()  # tickets (by lo) whose rows' units are computed
         self._counts: list[int] = []  # completions reaped per ticket (`_reap`)
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
         self.closed = False
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
-        #: The compiled writer of a step's reads (`engramdb.io.sqpoll.step_spans`), or None.
-        self._spans_fn = step_spans()
+        #: The compiled writer of a step's reads and copier of its rows
+        #: (`engramdb.io.sqpoll.step_compiled`), or None.
+        self._spans_fn = step_compiled("spans")
+        self._copy_fn = step_compiled("copy_out")
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -273,6 +276,7 @@ class StepReader:
         self._error = None
         self._routed = False
         self._ready = set()
+        self._indexed = set()
         self._plan = plan
         self._left = n
         lo = 0
@@ -310,7 +314,7 @@ class StepReader:
         try:
             plan.span_total = spans(
                 [j[1] for j in jobs], plan.base, plan.rb, plan.align, plan.off, plan.tmp,
-                plan.ip, plan.span, ring.sqes, pos,
+                plan.ip, plan.span, ring.sqes, pos, plan.part_span,
             )  # fmt: skip
         except (ValueError, BufferError, TypeError):
             return False
@@ -375,6 +379,7 @@ class StepReader:
             t.error, t.state = self._error, FAILED
             return
         units = self._units(plan)
+        self._index(plan, t)
         t.rows = units.take(plan.idx[t.lo : t.hi], 0).reshape(t.hi - t.lo, plan.rb)
         t.state = DONE
 
@@ -401,16 +406,24 @@ class StepReader:
             for tk in tickets:
                 tk.error, tk.state = err, FAILED
             raise err
-        idx = plan.idx if t is None else plan.idx[t.lo : t.hi]
-        self._units(plan).take(idx.reshape(dest.shape[:-1]), 0, out=dest, mode="clip")
+        copy = self._copy_fn
+        lo = 0 if t is None else t.lo
+        try:
+            if copy is None:
+                raise ValueError
+            copy(dest, self._buf, plan.slot, plan.ip, lo)  # one memcpy a row
+        except (ValueError, BufferError, TypeError):  # not built, or an unusual destination
+            for tk in tickets:
+                self._index(plan, tk)
+            idx = plan.idx if t is None else plan.idx[t.lo : t.hi]
+            self._units(plan).take(idx.reshape(dest.shape[:-1]), 0, out=dest, mode="clip")
         for tk in tickets:
             tk.state = DONE  # their rows went to the engine's buffer
         return True
 
     def _checked_plan(self, t: StepTicket | None = None) -> Plan | None:
         """The step's plan once the reads of ticket ``t`` (None: the whole step) are reaped
-        and checked, with ``idx`` (each row's units in the staging buffer) computed for
-        them; None (``_error`` set) when a read failed. A ticket other than the step's last
+        and checked; None (``_error`` set) when a read failed. A ticket other than the step's last
         waits only for its own reads where the others are still in flight (a large step:
         the lower layer's rows come first)."""
         plan = self._plan
@@ -431,22 +444,23 @@ class StepReader:
                     if err is not None:
                         self._error = err
                         return None
-                self._index(plan, lo, hi)
                 self._ready.add(lo)
                 return plan
         if t is not None and t.lo in self._ready:
             return plan
         self._checked = True
-        if self._complete():
-            for tk in tickets:
-                if tk.lo not in self._ready:
-                    self._index(plan, tk.lo, tk.hi)
+        self._complete()
         return None if self._error is not None else plan
 
-    @staticmethod
-    def _index(plan: Plan, lo: int, hi: int) -> None:
-        """Each row's units in the staging buffer, for rows ``lo:hi``."""
-        np.add(plan.base_idx[lo:hi], (plan.ip[lo:hi] >> plan.shift)[:, None], out=plan.idx[lo:hi])
+    def _index(self, plan: Plan, t: StepTicket) -> None:
+        """Each row's units in the staging buffer (``plan.idx``), for ticket ``t``'s rows
+        (once a step)."""
+        lo, hi = t.lo, t.hi
+        if lo not in self._indexed:
+            np.add(
+                plan.base_idx[lo:hi], (plan.ip[lo:hi] >> plan.shift)[:, None], out=plan.idx[lo:hi]
+            )
+            self._indexed.add(lo)
 
     def _units(self, plan: Plan) -> np.ndarray:
         units = plan.units
@@ -471,9 +485,9 @@ class StepReader:
         if len(tickets) == 1:
             tickets[0].store.note_step_read(n, plan.span_total)  # type: ignore[union-attr]
         else:
-            for t in tickets:
+            for t, part in zip(tickets, plan.part_span.tolist()):
                 if t.store is not None:
-                    t.store.note_step_read(t.hi - t.lo, int(span[t.lo : t.hi].sum()))
+                    t.store.note_step_read(t.hi - t.lo, part)
         if not fast and int(got.sum()) != plan.span_total:  # a short, failed or cut read
             bad = np.flatnonzero(got != span)
             owner = self._owner_of(int(bad[0]))
