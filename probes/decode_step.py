@@ -1,0 +1,199 @@
+"""What a `Decoder` step's cold path costs the engine's thread: the compiled step (keygen's
+one-position step, the ring entries written and the rows copied out by one call each)
+against the same decoder with those parts served by numpy, in one process.
+
+    python probes/decode_step.py [--gb 1] [--batches 1,8] [--steps 1200] [--block 20]
+
+Two attached tables of 320 B rows (random bytes, ``--gb`` in all, evicted first, opened
+with ``background_warm=False`` so they stay cold: every step's rows come from the device
+through the step reader) and an engram-peft hasher of two layers, 16 heads each. Each step
+pushes B new tokens, runs a single-thread torch compute (a few matrix products, so the
+decoder's code and data leave the CPU caches as in a model step), fills layer 1, computes
+again, fills layer 3, computes again. Blocks of ``--block`` steps alternate between the two
+modes (compiled, numpy), so drift of the machine cancels. Rows are checked against the files
+in both modes. Printed per B: the median push / fill / total microseconds a step of each
+mode and their ratio. JSON to probes/out/decode_step.json; the tables are deleted at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_note, write_json  # noqa: E402
+
+ROW = 320
+LAYERS = (1, 3)
+
+
+def hasher_config(gb: float) -> dict[str, Any]:
+    per_order = max(64, int(gb * 1e9 / ROW / 2 / len(LAYERS)))
+    return {
+        "engram_vocab_size_per_ngram": [per_order, per_order],
+        "ngram_sizes": [2, 3],
+        "n_head_per_ngram": 8,
+        "target_layers": list(LAYERS),
+        "compressed_vocab_size": 8192,
+        "pad_id": 0,
+        "enable_tokenizer_compression": False,
+    }
+
+
+def build(root: Path, h: Any) -> dict[int, Path]:
+    import engramdb
+
+    files = {}
+    for lay in LAYERS:
+        path = files[lay] = root / f"l{lay}.bin"
+        n = int(h.table_rows(lay)) * ROW
+        rng = np.random.default_rng(lay)
+        with open(path, "wb") as f:
+            for i in range(0, n, 64 << 20):
+                f.write(rng.integers(0, 256, min(64 << 20, n - i), dtype=np.uint8).data)
+        engramdb.attach(root / "db", f"l{lay}", [str(path)], row_bytes=ROW)
+    return files
+
+
+def evict(files: dict[int, Path]) -> None:
+    for path in files.values():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def set_mode(dec: Any, compiled: bool, saved: dict[str, Any]) -> None:
+    """Turn the decoder's compiled step parts on (as built) or off (numpy)."""
+    reader = dec._reader
+    if reader is not None:
+        saved.setdefault("reader", (reader._spans_fn, reader._copy_fn))
+        reader._spans_fn, reader._copy_fn = saved["reader"] if compiled else (None, None)
+    for i, st in enumerate(dec._streams):
+        saved.setdefault(f"stream{i}", st._native)
+        st._native = saved[f"stream{i}"] if compiled else None
+
+
+def run_batch(
+    args: argparse.Namespace, root: Path, h: Any, files: dict[int, Path], b: int
+) -> dict[str, Any]:
+    import torch
+
+    import engramdb
+    from engramdb.decode import Decoder
+
+    torch.set_num_threads(1)
+    evict(files)
+    raw = {lay: np.memmap(files[lay], np.uint8, "r").reshape(-1, ROW) for lay in LAYERS}
+    db = engramdb.open(root / "db", background_warm=False)
+    stores = {lay: db[f"l{lay}"] for lay in LAYERS}
+    dec = Decoder(stores, h, batch=b, prefetch=True, compressed=True)
+    out = np.empty(dec.out_shape, np.uint8)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
+    x = torch.randn(b, 448, generator=g)
+
+    def compute(k: int) -> None:
+        y = x
+        for j in range(k):
+            y = (weights[j % 8] @ y.T).T[:, :448]
+
+    tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b))
+    dec.push(tokens[0])  # binds the streams, makes the reader
+    dec.fill(out)
+    saved: dict[str, Any] = {}
+    times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    checked = {True: 0, False: 0}
+    pc = time.perf_counter
+    for s in range(1, args.steps):
+        compiled = (s // args.block) % 2 == 0
+        set_mode(dec, compiled, saved)
+        t0 = pc()
+        rows = dec.push(tokens[s])
+        t1 = pc()
+        compute(12)
+        t2 = pc()
+        dec.fill(out, layer=LAYERS[0])
+        t3 = pc()
+        compute(8)
+        t4 = pc()
+        dec.fill(out, layer=LAYERS[1])
+        t5 = pc()
+        compute(8)
+        if s % 7 == 0:  # rows equal the files, in both modes
+            for i, lay in enumerate(LAYERS):
+                want = raw[lay][rows[i].reshape(-1)].reshape(out[:, i].shape)
+                assert np.array_equal(out[:, i], want), (b, s, compiled)
+            checked[compiled] += 1
+        if s >= 2 * args.block:  # past the first cold pages and plans
+            times[compiled].append((t1 - t0, t3 - t2, t5 - t4))
+    reader = dec._reader
+    doc: dict[str, Any] = {
+        "batch": b,
+        "step_rows": sum(st.counters()["step_rows"] for st in stores.values()),
+        "compiled_built": bool(saved.get("reader", (None,))[0] is not None),
+        "native_steps": sum(st.native_steps for st in dec._streams),
+        "checked_steps": checked,
+        "reader": type(reader).__name__,
+    }
+    db.close()
+    for compiled in (True, False):
+        med = np.median(np.array(times[compiled]), axis=0) * 1e6
+        doc["compiled" if compiled else "numpy"] = {
+            "push_us": float(med[0]),
+            "fill_first_us": float(med[1]),
+            "fill_second_us": float(med[2]),
+            "total_us": float(med.sum()),
+            "steps": len(times[compiled]),
+        }
+    doc["total_ratio"] = doc["compiled"]["total_us"] / doc["numpy"]["total_us"]
+    return doc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="both tables together")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--block", type=int, default=20, help="steps per block of one mode")
+    ap.add_argument("--dir", default=None, help="where the tables go (a temp dir by default)")
+    args = ap.parse_args()
+
+    from engramdb import keygen
+
+    h = keygen.hasher("engram-peft", hasher_config(args.gb))
+    root = Path(tempfile.mkdtemp(prefix="decode_step_", dir=args.dir))
+    try:
+        files = build(root, h)
+        gb = sum(p.stat().st_size for p in files.values()) / 1e9
+        print(f"tables: 2 layers, {gb:.2f} GB, cold (evicted, no background warm); {cpu_note()}")
+        results = []
+        for b in (int(x) for x in args.batches.split(",")):
+            r = run_batch(args, root, h, files, b)
+            results.append(r)
+            c, n = r["compiled"], r["numpy"]
+            print(
+                f"B={b}: compiled push {c['push_us']:.0f} + fills {c['fill_first_us']:.0f} / "
+                f"{c['fill_second_us']:.0f} = {c['total_us']:.0f} us a step; numpy "
+                f"{n['push_us']:.0f} + {n['fill_first_us']:.0f} / {n['fill_second_us']:.0f} = "
+                f"{n['total_us']:.0f} us; compiled/numpy {r['total_ratio']:.2f}x "
+                f"({c['steps']} / {n['steps']} steps, rows checked in "
+                f"{r['checked_steps'][True]} / {r['checked_steps'][False]})"
+            )
+        path = write_json("decode_step", {"args": vars(args), "table_gb": gb, "results": results})
+        print(f"wrote {path}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
