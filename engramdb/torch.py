@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import InvalidArgument, InvalidDtype, MissingDependency
+from engramdb.errors import InvalidArgument, MissingDependency
 from engramdb.io.columns import heads_checker, rows_matcher
 from engramdb.read.prefetch import take_kept
 from engramdb.read.step_plan import StepTicket
 from engramdb.read.steps import StepReader
-from engramdb.rowcodec import RowCodec, codec_for
+from engramdb.rowcodec import codec_for
 from engramdb.table_api import RowTable
+from engramdb.torch_rows import RowDecoder, ids_to_numpy
 from engramdb.validate import SmallBounds, unsigned_max
 
 try:
@@ -36,55 +37,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 #: lanes (`SmallBounds`), more by numpy reductions (the lanes cost grows with the count; a
 #: reduction's barely does).
 _LANE_IDS = 256
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)  # type: ignore[no-any-return]
-
-
-def _ids_to_numpy(ids: Any) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise InvalidDtype(f"ids must be an integer tensor, got {ids.dtype}")
-        if ids.device.type != "cpu":
-            ids = ids.cpu()
-        return ids.contiguous().numpy()
-    arr = np.asarray(ids)
-    if arr.dtype.kind not in "iu":
-        raise InvalidDtype(f"ids must be integers, got dtype {arr.dtype}")
-    return arr
-
-
-class _Decoder:
-    """Turns fetched raw rows ``uint8 [n, row_bytes]`` (a torch view) into values."""
-
-    def __init__(self, codec: RowCodec, out_dtype: torch.dtype | None, scale: float | None):
-        self.codec = codec
-        self.value_dtype = _torch_dtype(codec.value_dtype)
-        if codec.scaled or scale is not None:
-            self.out_dtype = out_dtype or torch.float32
-        else:
-            self.out_dtype = out_dtype or self.value_dtype
-        self.scale = scale
-        #: True when decoding only reinterprets the fetched bytes (no new tensor).
-        self.is_view = not codec.scaled and scale is None and self.out_dtype == self.value_dtype
-
-    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
-        c = self.codec
-        if not c.scaled:
-            vals = raw.view(self.value_dtype)
-            if self.scale is not None:
-                vals = vals.to(self.out_dtype) * self.scale
-            elif self.out_dtype != self.value_dtype:
-                vals = vals.to(self.out_dtype)
-            return vals
-        n = raw.shape[0]
-        w = raw[:, : c.dim].view(self.value_dtype).to(torch.float32)
-        s = raw[:, c.dim :].view(torch.float8_e8m0fnu).to(torch.float32)
-        out = (w.view(n, c.n_scales, -1) * s.unsqueeze(-1)).view(n, c.dim)
-        if self.scale is not None:
-            out = out * self.scale
-        return out.to(self.out_dtype)
 
 
 class _DiskTable(nn.Module):
@@ -101,7 +53,7 @@ class _DiskTable(nn.Module):
         super().__init__()
         self.store = store
         self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
-        self._decode = _Decoder(self.codec, out_dtype, scale)
+        self._decode = RowDecoder(self.codec, out_dtype, scale)
         self._setup()
 
     def _setup(self) -> None:
@@ -132,7 +84,7 @@ class DiskEmbedding(_DiskTable):
         return buf[:n]
 
     def forward(self, ids: Any) -> torch.Tensor:
-        flat = _ids_to_numpy(ids)
+        flat = ids_to_numpy(ids)
         shape = tuple(flat.shape)
         flat = flat.reshape(-1)
         raw = self._raw(flat.size)
@@ -160,6 +112,7 @@ class _Hot:
         "resident_skips",
         "ticket",
         "ticket_ids",
+        "ticket_src",
         "view_cache",
     )
 
@@ -168,6 +121,9 @@ class _Hot:
         self.resident_skips = 0
         self.ticket: Any = None
         self.ticket_ids: np.ndarray | None = None
+        #: the ids tensor the pending prefetch was given and its version (None: not a plain
+        #: tensor): a forward of that very tensor, unchanged, needs no second check
+        self.ticket_src: tuple[torch.Tensor, int] | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
 
 
@@ -345,7 +301,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         old = hot.ticket
         if old is not None:
             old.cancel()
-            hot.ticket = hot.ticket_ids = None
+            hot.ticket = hot.ticket_ids = hot.ticket_src = None
         if self._fast and not self._warming():
             # (while the table's background warm reads it, a sample of resident rows says
             # little and the forward's gather from the mapping faults on the rest: at B=8 6
@@ -376,15 +332,26 @@ class DiskMultiHeadEmbedding(_DiskTable):
             ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket = ticket
         hot.ticket_ids = flat
+        plain = (
+            type(local_ids) is torch.Tensor
+            and local_ids.dtype is torch.int64
+            and local_ids.is_cpu
+            and local_ids.dim() == 3
+        )
+        # torch's counter of in-place changes to the tensor (what autograd checks)
+        hot.ticket_src = (local_ids, local_ids._version) if plain else None  # noqa: SLF001
         hot.prefetches += 1
         return True
 
-    def _take_ticket(self, flat: np.ndarray, dest: np.ndarray) -> bool:
-        """Serve ``flat`` from the pending `prefetch` when it asked for exactly these rows."""
+    def _take_ticket(self, flat: np.ndarray, dest: np.ndarray, same: bool = False) -> bool:
+        """Serve ``flat`` from the pending `prefetch` when it asked for exactly these rows
+        (``same``: they are its own, known unchanged)."""
         hot = self._hot
         t, want = hot.ticket, hot.ticket_ids
-        hot.ticket = hot.ticket_ids = None
-        if want is None or want.size != flat.size or not np.array_equal(want, flat):
+        hot.ticket = hot.ticket_ids = hot.ticket_src = None
+        if want is None or (
+            not same and (want.size != flat.size or not np.array_equal(want, flat))
+        ):
             if t is not None:
                 t.cancel()
             return False
@@ -412,7 +379,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if type(local_ids) is torch.Tensor and local_ids.dtype is torch.int64:
             t = local_ids if local_ids.device.type == "cpu" else local_ids.cpu()
             return t.numpy() if t.is_contiguous() else t.contiguous().numpy()
-        ids = _ids_to_numpy(local_ids)
+        ids = ids_to_numpy(local_ids)
         if ids.dtype != np.int64:
             ids = ids.astype(np.int64)
         return np.ascontiguousarray(ids)
@@ -496,7 +463,34 @@ class DiskMultiHeadEmbedding(_DiskTable):
             self.store.note_mapped_gather(n, dt)  # type: ignore[attr-defined]
         return out
 
+    def _from_prefetch(self, local_ids: torch.Tensor) -> torch.Tensor | None:
+        """The forward of the very ids tensor the pending `prefetch` was given, unchanged
+        since (its version): validated then, so its rows go straight from the prefetch into
+        a fresh output; None where the prefetch did not keep them (read as usual)."""
+        hot = self._hot
+        want = hot.ticket_ids
+        assert want is not None
+        raw_np = np.empty((*local_ids.shape, self._rb), dtype=np.uint8)
+        if not self._take_ticket(want, raw_np.reshape(-1, self._rb), same=True):
+            return None
+        raw = torch.from_numpy(raw_np)
+        if self._decode.is_view:
+            return raw.view(self._decode.value_dtype)  # [B, L, H, dim], no copy
+        with torch.no_grad():
+            return self._decode(raw.view(-1, self._rb)).view(*local_ids.shape, self.codec.dim)
+
     def forward(self, local_ids: Any) -> torch.Tensor:
+        src = self._hot.ticket_src
+        if (
+            src is not None
+            and src[0] is local_ids
+            and src[1] == local_ids._version  # noqa: SLF001
+            and self.decoder is None
+            and self._small is not None
+        ):
+            out = self._from_prefetch(local_ids)
+            if out is not None:
+                return out
         plain = (
             type(local_ids) is torch.Tensor and local_ids.dtype is torch.int64 and local_ids.is_cpu
         )

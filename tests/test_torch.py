@@ -356,6 +356,15 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
         ids = torch.from_numpy(h.local_ids(toks, layer=1)[:, -1:].copy())
         m.prefetch(ids + 1)
         assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        # the very tensor a prefetch was given, changed in place before the forward: the
+        # forward reads the new ids (the tensor's version moved), not the prefetched rows
+        assert m.prefetch(ids)
+        ids[0, 0, 0] = (ids[0, 0, 0] + 1) % int(h.primes(1)[0])
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        served = m.served_from_prefetch
+        assert m.prefetch(ids)  # unchanged: straight from the prefetch
+        assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        assert m.served_from_prefetch == served + 1
         bad = ids.clone()
         bad[0, 0, 0] = -1
         assert not m.prefetch(bad)  # out of range: nothing started, the forward raises
