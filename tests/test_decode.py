@@ -493,3 +493,27 @@ def test_direct_fills_into_layer_slices_equal_keygen_plus_fetch(
             assert dec.direct_fills == 0
         else:
             assert dec.direct_fills > 0 and dec.prefetched == 0
+
+
+def test_a_residency_sample_spreads_over_positions_not_one_head(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """The `auto` rule's sample of a step's rows (`LocalTable.rows_resident`) spreads over
+    positions: a prompt's ids ``[B, T, H]`` whose first position is one pad row in every
+    sequence (resident: every prompt reads it) and cold rows elsewhere are cold, not
+    resident. A fixed stride of a multiple of B * H sampled that one row eight times."""
+    rows, rb = 1 << 16, 160
+    engramdb.build(tmp_path, "t", rb, [rng.integers(0, 256, (rows, rb), dtype=np.uint8)])
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        st = db["t"]
+        b, t, h = 8, 8, 16
+        ids = rng.integers(rows // 2, rows, (b, t, h)).astype(np.int64)  # far from row 0
+        ids[:, 0, :] = 0  # every sequence's first position: the pad row
+        for p in tmp_path.rglob("*.edb"):
+            evict(p)
+        drop_mapped_pages(st.array())
+        st.gather(np.zeros(1, np.int64), np.empty((1, rb), np.uint8))  # the pad row's page
+        assert st.rows_resident(np.zeros(1, np.int64))
+        if st.rows_resident(ids[:, 1:].reshape(-1)):
+            pytest.skip("this filesystem does not drop cached pages on request")
+        assert not st.rows_resident(ids.reshape(-1))

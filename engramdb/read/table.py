@@ -568,14 +568,20 @@ class LocalTable(RowTable):
             return False
 
     def _sampled_resident(self, ids: np.ndarray, k: int) -> bool:
-        """Whether ``k`` evenly strided ids of 1-D ``ids`` sit on resident pages: rows sit
-        at ``row * stride`` from one address (`_sample_at`: the mapped array, or an attached
-        table's widest column), so no id is located (one ``mincore`` each, ~2 us)."""
+        """Whether ``k`` spread ids of 1-D ``ids`` sit on resident pages: rows sit at ``row *
+        stride`` from one address (`_sample_at`: the mapped array, or an attached table's
+        widest column), so no id is located (one ``mincore`` each, ~2 us). The positions
+        follow the golden ratio (``j * 0.618 * n``), not a fixed stride: a stride that is a
+        multiple of the head count picks one head of every sequence, and at a prompt's first
+        position every sequence's n-grams are the same pad rows (a prefill's sample was one
+        row eight times)."""
         at = self._sample_at
         assert at is not None
         base, rb = at
-        addrs = [base + r * rb for r in ids[:: max(1, ids.shape[0] // k)][:k].tolist()]
-        return bool(resident_count(addrs) == k)
+        n = ids.shape[0]
+        pos = range(n) if n <= k else [(j * 40503 * n >> 16) % n for j in range(k)]
+        addrs = [base + int(ids[p]) * rb for p in pos]
+        return bool(resident_count(addrs) == len(addrs))
 
     def note_buffered_read(self) -> None:
         """A prefetch is about to read rows by syscalls, past the mapping: it starts the
