@@ -48,7 +48,7 @@ class PrefetchRule:
         self.switches = 0
 
     def rows_resident(self, store: LocalTable, flat: np.ndarray) -> bool:
-        """Whether a few evenly spread rows of ``flat`` sit on resident pages (``mincore``)."""
+        """Whether a few spread rows of ``flat`` sit on resident pages (``mincore``)."""
         self.checks += 1
         return store.rows_resident(flat)
 

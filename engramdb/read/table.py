@@ -397,7 +397,7 @@ class LocalTable(RowTable):
         ):
             # The rule's mapped-state check, without locating ids: rows sit at
             # ``row * stride`` from one address (the back-to-back mapping, or an attached
-            # table's widest column), so 1 + n // 65536 evenly spread ids give their page
+            # table's widest column), so 1 + n // 65536 spread ids give their page
             # addresses directly (one mincore each, ~2 us).
             if self._sampled_resident(flat, min(a.samples, 1 + n // 65536)):
                 a.count_mapped()
@@ -554,7 +554,7 @@ class LocalTable(RowTable):
             a.feedback(a.mapped, rows, seconds)
 
     def rows_resident(self, flat: np.ndarray, samples: int = 8) -> bool:
-        """Whether ``samples`` evenly spread rows of validated ids ``flat`` sit on resident
+        """Whether ``samples`` spread rows (`_sampled_resident`) of validated ids ``flat`` sit on resident
         pages (one ``mincore`` each, ~2 us); False for a closed table or one that is not a
         mapped array."""
         n = flat.size
