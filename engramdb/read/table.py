@@ -554,9 +554,9 @@ class LocalTable(RowTable):
             a.feedback(a.mapped, rows, seconds)
 
     def rows_resident(self, flat: np.ndarray, samples: int = 8) -> bool:
-        """Whether ``samples`` spread rows (`_sampled_resident`) of validated ids ``flat`` sit on resident
-        pages (one ``mincore`` each, ~2 us); False for a closed table or one that is not a
-        mapped array."""
+        """Whether ``samples`` spread rows (`_sampled_resident`) of validated ids ``flat``
+        sit on resident pages (one ``mincore`` each, ~2 us); False for a closed table or one
+        that is not a mapped array."""
         n = flat.size
         if n == 0:
             return True
