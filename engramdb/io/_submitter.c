@@ -57,11 +57,12 @@ out:
 }
 
 
-/* spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals) -> the step's bytes asked
+/* spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> the step's bytes
  *   A decode step's reads, one per row, written into a ring's submission entries in one pass
  *   (the numpy version is a dozen calls, each slow inside a model step whose compute has
  *   just evicted numpy from the CPU caches).
  *   ids:   sequence of C-contiguous int64 row id buffers (the step's layers, in order), n ids
+ *          in all (any other count or item type: ValueError, nothing written)
  *   base:  int64 [n] each row's file base offset; rb: row bytes; align: a power of two
  *   off / start / ip / span: int64 [n] outputs: the row's file offset, its aligned read's
  *          start, the row's offset inside that read, and the read's length (ip + rb rounded
@@ -73,9 +74,9 @@ out:
 static PyObject *spans(PyObject *self, PyObject *args) {
     PyObject *o_ids, *o_base, *o_off, *o_start, *o_ip, *o_span, *o_sqes, *o_tot;
     long long rb, align;
-    Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "OOLLOOOOOnO", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
-                          &o_ip, &o_span, &o_sqes, &pos, &o_tot))
+    Py_ssize_t pos, expect;
+    if (!PyArg_ParseTuple(args, "OOLLOOOOOnOn", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
+                          &o_ip, &o_span, &o_sqes, &pos, &o_tot, &expect))
         return NULL;
     if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
         PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
@@ -95,14 +96,21 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; i < parts; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid], PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
             goto done;
         nid++;
-        if (idv[nid - 1].len % 8) {
+        const char *f = idv[nid - 1].format ? idv[nid - 1].format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (idv[nid - 1].itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
             PyErr_SetString(PyExc_ValueError, "ids must be int64");
             goto done;
         }
         n += idv[nid - 1].len / 8;
+    }
+    if (n != expect) {
+        PyErr_Format(PyExc_ValueError, "%zd ids, the plan has %zd", n, expect);
+        goto done;
     }
     PyObject *outs[5] = {o_base, o_off, o_start, o_ip, o_span};
     for (int i = 0; i < 5; i++) {
@@ -231,7 +239,7 @@ static PyMethodDef methods[] = {
      "run(ring_fd, event_fd) -> 0 once a value >= STOP is written, or -errno.\n"
      "Submit a ring's pending entries each time a count is written to event_fd."},
     {"spans", spans, METH_VARARGS,
-     "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals) -> total bytes.\n"
+     "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},
     {"copy_out", copy_out, METH_VARARGS,
      "copy_out(dest, buf, slot, ip, lo) -> None. A step's rows lo.. from the staging\n"

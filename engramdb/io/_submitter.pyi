@@ -13,5 +13,6 @@ def spans(
     sqes: object,
     pos: int,
     totals: object,
+    n: int,
 ) -> int: ...
 def copy_out(dest: object, buf: object, slot: object, ip: object, lo: int) -> None: ...

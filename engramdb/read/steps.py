@@ -314,7 +314,7 @@ class StepReader:
         try:
             plan.span_total = spans(
                 [j[1] for j in jobs], plan.base, plan.rb, plan.align, plan.off, plan.tmp,
-                plan.ip, plan.span, ring.sqes, pos, plan.part_span,
+                plan.ip, plan.span, ring.sqes, pos, plan.part_span, plan.n,
             )  # fmt: skip
         except (ValueError, BufferError, TypeError):
             return False
