@@ -444,9 +444,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         dt = pc() - t0
         if dt > self._slow_s * flat.size:
             self.store.note_mapped_gather(flat.size, dt)  # type: ignore[attr-defined]
-        with torch.no_grad():
-            raw = torch.from_numpy(raw_np).view(-1, self._rb)
-            return self._decode(raw).view(*ids.shape, self.codec.dim)
+        return self._values(raw_np)
 
     def _take_resident_torch(self, local_ids: torch.Tensor, n: int) -> torch.Tensor:
         """`_take_resident` for validated CPU int64 ids ``[B, L, H]`` of a table whose rows
@@ -473,11 +471,16 @@ class DiskMultiHeadEmbedding(_DiskTable):
         raw_np = np.empty((*local_ids.shape, self._rb), dtype=np.uint8)
         if not self._take_ticket(want, raw_np.reshape(-1, self._rb), same=True):
             return None
+        return self._values(raw_np)
+
+    def _values(self, raw_np: np.ndarray) -> torch.Tensor:
+        """Fetched rows ``uint8 [..., rb]`` (a fresh array) as values ``[..., dim]``: a view
+        where the rows are their values, else decoded."""
         raw = torch.from_numpy(raw_np)
         if self._decode.is_view:
-            return raw.view(self._decode.value_dtype)  # [B, L, H, dim], no copy
+            return raw.view(self._decode.value_dtype)  # no copy
         with torch.no_grad():
-            return self._decode(raw.view(-1, self._rb)).view(*local_ids.shape, self.codec.dim)
+            return self._decode(raw.view(-1, self._rb)).view(*raw_np.shape[:-1], self.codec.dim)
 
     def forward(self, local_ids: Any) -> torch.Tensor:
         src = self._hot.ticket_src
@@ -560,11 +563,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 dest = raw_np.reshape(-1, self._rb)
                 if self._hot.ticket_ids is None or not self._take_ticket(flat, dest):
                     small(flat, dest)
-                raw = torch.from_numpy(raw_np)
-                if self._decode.is_view:
-                    return raw.view(self._decode.value_dtype)  # [B, L, H, dim], no copy
-                with torch.no_grad():
-                    return self._decode(raw.view(-1, self._rb)).view(*ids.shape, self.codec.dim)
+                return self._values(raw_np)
         raw = torch.empty(ids.shape + (self._rb,), dtype=torch.uint8)
         self.store.lookup_into(ids, raw.numpy())
         with torch.no_grad():

@@ -82,14 +82,20 @@ def _safetensors(path: Path, arr: np.ndarray, pad: int) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + arr.tobytes())
 
 
-def test_rows_of_an_attached_tensor_at_an_unaligned_offset(
-    tmp_path: Path, rng: np.random.Generator
-) -> None:
-    arr = rng.standard_normal((5000, 80)).astype(np.float32)  # 320 B rows
+def _unaligned_tensor(tmp_path: Path, rng: np.random.Generator) -> tuple[Path, np.ndarray]:
+    """A table ``t`` in ``tmp_path / "db"`` attached over one F32 tensor of 320 B rows
+    starting off any page or cache-line boundary: the source file and its rows' bytes."""
+    arr = rng.standard_normal((5000, 80)).astype(np.float32)
     src = tmp_path / "model.safetensors"
     _safetensors(src, arr, pad=8 * 37)
     engramdb.attach(tmp_path / "db", "t", [src])
-    raw = arr.view(np.uint8).reshape(5000, 320)
+    return src, arr.view(np.uint8).reshape(5000, 320)
+
+
+def test_rows_of_an_attached_tensor_at_an_unaligned_offset(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    src, raw = _unaligned_tensor(tmp_path, rng)
     with engramdb.open(tmp_path / "db") as db:
         st = db["t"]
         evict(src)
@@ -104,14 +110,10 @@ def test_rows_of_an_attached_tensor_at_an_unaligned_offset(
 def test_step_entries_written_by_either_path_read_the_same_rows(
     tmp_path: Path, rng: np.random.Generator, compiled: bool
 ) -> None:
-    """A step's reads go into the ring by one compiled call (`engramdb.io.sqpoll.step_spans`)
+    """A step's reads go into the ring by one compiled call (`engramdb.io.sqpoll.step_compiled`)
     or by numpy: the same rows and device bytes, over steps whose entries wrap the ring
     (staged) and steps that do not, from a source whose rows start off any boundary."""
-    arr = rng.standard_normal((5000, 80)).astype(np.float32)
-    src = tmp_path / "model.safetensors"
-    _safetensors(src, arr, pad=8 * 37)
-    engramdb.attach(tmp_path / "db", "t", [src])
-    raw = arr.view(np.uint8).reshape(5000, 320)
+    src, raw = _unaligned_tensor(tmp_path, rng)
     with engramdb.open(tmp_path / "db") as db:
         st = db["t"]
         reader = StepReader()

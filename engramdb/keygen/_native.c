@@ -30,6 +30,93 @@ static int get(PyObject *obj, Py_buffer *view, Py_ssize_t want, int writable, co
     return 0;
 }
 
+/* A layer's hash constants, checked (consts_load) and ready for hash_position. */
+typedef struct {
+    Py_ssize_t n_max, heads, cols;
+    const int64_t *mult, *primes, *off; /* off NULL: local ids */
+    Py_ssize_t first[MAX_NGRAM + 1];    /* groups reading the mix after term j: */
+    Py_ssize_t order[MAX_GROUPS];       /*   order[first[j] .. first[j + 1]) */
+} consts_t;
+
+/* mult: int64 [N], 2 <= N <= MAX_NGRAM; group_step: int64 [G] (each in [0, N)); primes /
+ * offsets (or None): int64 [C], C = G * heads, primes >= 1. Takes four views into v from
+ * *held on (the caller releases them); -1 with an exception set when one is wrong. */
+static int consts_load(consts_t *c, PyObject *o_mult, PyObject *o_step, PyObject *o_primes,
+                       PyObject *o_off, Py_ssize_t heads, Py_buffer *v, int *held) {
+    if (PyObject_GetBuffer(o_mult, &v[*held], PyBUF_C_CONTIGUOUS) < 0) return -1;
+    Py_buffer *m = &v[(*held)++];
+    c->n_max = m->len / 8;
+    if (c->n_max < 2 || c->n_max > MAX_NGRAM || m->len % 8) {
+        PyErr_Format(PyExc_ValueError, "2 to %d multipliers, got %zd bytes", MAX_NGRAM, m->len);
+        return -1;
+    }
+    if (PyObject_GetBuffer(o_step, &v[*held], PyBUF_C_CONTIGUOUS) < 0) return -1;
+    Py_buffer *g = &v[(*held)++];
+    Py_ssize_t groups = g->len / 8;
+    if (groups < 1 || groups > MAX_GROUPS || g->len % 8 || heads < 1) {
+        PyErr_Format(PyExc_ValueError, "1 to %d head groups of >= 1 head", MAX_GROUPS);
+        return -1;
+    }
+    const int64_t *step = (const int64_t *)g->buf;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < groups; i++) {
+        if (step[i] < 0 || step[i] >= c->n_max) {
+            PyErr_Format(PyExc_ValueError, "group %zd reads term %lld of %zd", i,
+                         (long long)step[i], c->n_max);
+            return -1;
+        }
+    }
+    for (Py_ssize_t j = 0; j < c->n_max; j++) {
+        c->first[j] = k;
+        for (Py_ssize_t i = 0; i < groups; i++)
+            if (step[i] == j) c->order[k++] = i;
+    }
+    c->first[c->n_max] = k;
+    c->heads = heads;
+    c->cols = groups * heads;
+    c->mult = (const int64_t *)m->buf;
+    if (get(o_primes, &v[*held], c->cols * 8, 0, "primes") < 0) return -1;
+    c->primes = (const int64_t *)v[(*held)++].buf;
+    for (Py_ssize_t i = 0; i < c->cols; i++) {
+        if (c->primes[i] < 1) {
+            PyErr_Format(PyExc_ValueError, "prime %zd is %lld", i, (long long)c->primes[i]);
+            return -1;
+        }
+    }
+    c->off = NULL;
+    if (o_off != Py_None) {
+        if (get(o_off, &v[*held], c->cols * 8, 0, "offsets") < 0) return -1;
+        c->off = (const int64_t *)v[(*held)++].buf;
+    }
+    return 0;
+}
+
+/* One position's row ids into o[C]: tok[b] is the (fill-blocked) id b back, tok[0] the
+ * position's own; peft: term j is the id N-1-j back (engram-peft), else j back (DeepSeek). */
+static inline void hash_position(const consts_t *c, const uint64_t *tok, int peft, int64_t *o) {
+    Py_ssize_t n_max = c->n_max;
+    uint64_t acc = 0;
+    for (Py_ssize_t j = 0; j < n_max; j++) {
+        uint64_t term = tok[peft ? n_max - 1 - j : j] * (uint64_t)c->mult[j];
+        acc = j ? acc ^ term : term;
+        int64_t mix = (int64_t)acc;
+        for (Py_ssize_t e = c->first[j]; e < c->first[j + 1]; e++) {
+            Py_ssize_t c0 = c->order[e] * c->heads;
+            for (Py_ssize_t i = c0; i < c0 + c->heads; i++) {
+                int64_t r = mix % c->primes[i];
+                if (r < 0) r += c->primes[i];
+                o[i] = c->off ? r + c->off[i] : r;
+            }
+        }
+    }
+}
+
+#define GET(obj, want, wr, name)                                       \
+    do {                                                               \
+        if (get((obj), &v[held], (want), (wr), (name)) < 0) goto done; \
+        held++;                                                        \
+    } while (0)
+
 /* rows(ids, bar, dead, hist_ids, hist_bar, out, new_ids, new_bar, mult, primes, offsets,
  *      group_step, heads, fill, peft)
  *   ids:        int64 [S, T]   encoded token ids of the pushed positions
@@ -54,51 +141,23 @@ static PyObject *rows(PyObject *self, PyObject *args) {
     Py_buffer v[12];
     int held = 0;
     PyObject *result = NULL;
-#define GET(obj, want, wr, name)                                   \
-    do {                                                           \
-        if (get((obj), &v[held], (want), (wr), (name)) < 0) goto done; \
-        held++;                                                    \
-    } while (0)
-    /* shapes from mult ([N]), group_step ([G]) and hist_ids ([S, N-1]) */
-    if (PyObject_GetBuffer(o_mult, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t n_max = v[0].len / 8;
-    if (n_max < 1 || n_max > MAX_NGRAM || v[0].len % 8) {
-        PyErr_Format(PyExc_ValueError, "1 to %d multipliers, got %zd bytes", MAX_NGRAM, v[0].len);
-        goto done;
-    }
-    if (PyObject_GetBuffer(o_step, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t groups = v[1].len / 8;
-    if (groups < 1 || groups > MAX_GROUPS || v[1].len % 8 || heads < 1) {
-        PyErr_Format(PyExc_ValueError, "1 to %d head groups of >= 1 head", MAX_GROUPS);
-        goto done;
-    }
-    Py_ssize_t cols = groups * heads, h = n_max - 1;
+    consts_t c;
+    if (consts_load(&c, o_mult, o_step, o_primes, o_off, heads, v, &held) < 0) goto done;
+    Py_ssize_t n_max = c.n_max, h = n_max - 1, cols = c.cols;
+    /* shapes from hist_ids ([S, N-1]) and ids ([S, T]) */
     if (PyObject_GetBuffer(o_hid, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t n_seq = h ? v[2].len / 8 / h : 0;
-    if (h == 0 || v[2].len != n_seq * h * 8) {
+    const int64_t *hid = (const int64_t *)v[held++].buf;
+    Py_ssize_t n_seq = v[held - 1].len / 8 / h;
+    if (v[held - 1].len != n_seq * h * 8) {
         PyErr_SetString(PyExc_ValueError, "hist_ids must be int64 [S, N-1] with N >= 2");
         goto done;
     }
     if (PyObject_GetBuffer(o_ids, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t n_pos = n_seq ? v[3].len / 8 / n_seq : 0;
-    if (n_seq == 0 || v[3].len != n_seq * n_pos * 8) {
+    const int64_t *ids = (const int64_t *)v[held++].buf;
+    Py_ssize_t n_pos = n_seq ? v[held - 1].len / 8 / n_seq : 0;
+    if (n_seq == 0 || v[held - 1].len != n_seq * n_pos * 8) {
         PyErr_SetString(PyExc_ValueError, "ids must be int64 [S, T]");
         goto done;
-    }
-    const int64_t *mult = (const int64_t *)v[0].buf;
-    const int64_t *step = (const int64_t *)v[1].buf;
-    const int64_t *hid = (const int64_t *)v[2].buf;
-    const int64_t *ids = (const int64_t *)v[3].buf;
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        if (step[g] < 0 || step[g] >= n_max) {
-            PyErr_Format(PyExc_ValueError, "group %zd reads term %lld of %zd", g,
-                         (long long)step[g], n_max);
-            goto done;
-        }
     }
     GET(o_hbar, n_seq * h, 0, "hist_bar");
     const uint8_t *hbar = (const uint8_t *)v[held - 1].buf;
@@ -108,19 +167,6 @@ static PyObject *rows(PyObject *self, PyObject *args) {
     int64_t *nid = (int64_t *)v[held - 1].buf;
     GET(o_nbar, n_seq * h, 1, "new_bar");
     uint8_t *nbar = (uint8_t *)v[held - 1].buf;
-    GET(o_primes, cols * 8, 0, "primes");
-    const int64_t *primes = (const int64_t *)v[held - 1].buf;
-    for (Py_ssize_t c = 0; c < cols; c++) {
-        if (primes[c] < 1) {
-            PyErr_Format(PyExc_ValueError, "prime %zd is %lld", c, (long long)primes[c]);
-            goto done;
-        }
-    }
-    const int64_t *off = NULL;
-    if (o_off != Py_None) {
-        GET(o_off, cols * 8, 0, "offsets");
-        off = (const int64_t *)v[held - 1].buf;
-    }
     const uint8_t *bar = NULL, *dead = NULL;
     if (o_bar != Py_None) {
         GET(o_bar, n_seq * n_pos, 0, "bar");
@@ -130,16 +176,6 @@ static PyObject *rows(PyObject *self, PyObject *args) {
         GET(o_dead, n_seq * n_pos, 0, "dead");
         dead = (const uint8_t *)v[held - 1].buf;
     }
-    /* the groups that read the mix after each term */
-    Py_ssize_t first[MAX_NGRAM + 1];
-    Py_ssize_t order[MAX_GROUPS];
-    Py_ssize_t k = 0;
-    for (Py_ssize_t j = 0; j < n_max; j++) {
-        first[j] = k;
-        for (Py_ssize_t g = 0; g < groups; g++)
-            if (step[g] == j) order[k++] = g;
-    }
-    first[n_max] = k;
 
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t s = 0; s < n_seq; s++) {
@@ -157,21 +193,7 @@ static PyObject *rows(PyObject *self, PyObject *args) {
                 int64_t id = q < h ? hs[q] : is[q - h];
                 tok[b] = blocked ? (uint64_t)fill : (uint64_t)id;
             }
-            int64_t *o = out + (s * n_pos + t) * cols;
-            uint64_t acc = 0;
-            for (Py_ssize_t j = 0; j < n_max; j++) {
-                uint64_t term = tok[peft ? n_max - 1 - j : j] * (uint64_t)mult[j];
-                acc = j ? acc ^ term : term;
-                int64_t mix = (int64_t)acc;
-                for (Py_ssize_t e = first[j]; e < first[j + 1]; e++) {
-                    Py_ssize_t c0 = order[e] * heads;
-                    for (Py_ssize_t c = c0; c < c0 + heads; c++) {
-                        int64_t r = mix % primes[c];
-                        if (r < 0) r += primes[c];
-                        o[c] = off ? r + off[c] : r;
-                    }
-                }
-            }
+            hash_position(&c, tok, peft, out + (s * n_pos + t) * cols);
         }
         /* the look-back after the push: the last N-1 of [history, pushed] */
         for (Py_ssize_t i = 0; i < h; i++) {
@@ -186,9 +208,7 @@ static PyObject *rows(PyObject *self, PyObject *args) {
 done:
     for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
     return result;
-#undef GET
 }
-
 
 /* step(ids, hist_ids, hist_bar, out, mult, primes, offsets, group_step, heads, fill, peft,
  *      check, lo, hi) -> int
@@ -208,42 +228,15 @@ static PyObject *step(PyObject *self, PyObject *args) {
     Py_buffer v[8];
     int held = 0;
     PyObject *result = NULL;
-#define GET(obj, want, wr, name)                                   \
-    do {                                                           \
-        if (get((obj), &v[held], (want), (wr), (name)) < 0) goto done; \
-        held++;                                                    \
-    } while (0)
-    if (PyObject_GetBuffer(o_mult, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t n_max = v[0].len / 8;
-    if (n_max < 2 || n_max > MAX_NGRAM || v[0].len % 8) {
-        PyErr_Format(PyExc_ValueError, "2 to %d multipliers, got %zd bytes", MAX_NGRAM, v[0].len);
-        goto done;
-    }
-    if (PyObject_GetBuffer(o_step, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t groups = v[1].len / 8;
-    if (groups < 1 || groups > MAX_GROUPS || v[1].len % 8 || heads < 1) {
-        PyErr_Format(PyExc_ValueError, "1 to %d head groups of >= 1 head", MAX_GROUPS);
-        goto done;
-    }
-    Py_ssize_t cols = groups * heads, h = n_max - 1;
+    consts_t c;
+    if (consts_load(&c, o_mult, o_step, o_primes, o_off, heads, v, &held) < 0) goto done;
+    Py_ssize_t n_max = c.n_max, h = n_max - 1, cols = c.cols;
     if (PyObject_GetBuffer(o_ids, &v[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-    held++;
-    Py_ssize_t n_seq = v[2].len / 8;
-    if (n_seq < 1 || v[2].len % 8) {
+    const int64_t *ids = (const int64_t *)v[held++].buf;
+    Py_ssize_t n_seq = v[held - 1].len / 8;
+    if (n_seq < 1 || v[held - 1].len % 8) {
         PyErr_SetString(PyExc_ValueError, "ids must be int64 [S], S >= 1");
         goto done;
-    }
-    const int64_t *mult = (const int64_t *)v[0].buf;
-    const int64_t *gstep = (const int64_t *)v[1].buf;
-    const int64_t *ids = (const int64_t *)v[2].buf;
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        if (gstep[g] < 0 || gstep[g] >= n_max) {
-            PyErr_Format(PyExc_ValueError, "group %zd reads term %lld of %zd", g,
-                         (long long)gstep[g], n_max);
-            goto done;
-        }
     }
     GET(o_hid, n_seq * h * 8, 1, "hist_ids");
     int64_t *hid = (int64_t *)v[held - 1].buf;
@@ -251,19 +244,6 @@ static PyObject *step(PyObject *self, PyObject *args) {
     uint8_t *hbar = (uint8_t *)v[held - 1].buf;
     GET(o_out, n_seq * cols * 8, 1, "out");
     int64_t *out = (int64_t *)v[held - 1].buf;
-    GET(o_primes, cols * 8, 0, "primes");
-    const int64_t *primes = (const int64_t *)v[held - 1].buf;
-    for (Py_ssize_t c = 0; c < cols; c++) {
-        if (primes[c] < 1) {
-            PyErr_Format(PyExc_ValueError, "prime %zd is %lld", c, (long long)primes[c]);
-            goto done;
-        }
-    }
-    const int64_t *off = NULL;
-    if (o_off != Py_None) {
-        GET(o_off, cols * 8, 0, "offsets");
-        off = (const int64_t *)v[held - 1].buf;
-    }
     if (check) {
         for (Py_ssize_t s = 0; s < n_seq; s++) {
             if (ids[s] < lo || ids[s] >= hi) {
@@ -272,15 +252,6 @@ static PyObject *step(PyObject *self, PyObject *args) {
             }
         }
     }
-    Py_ssize_t first[MAX_NGRAM + 1];
-    Py_ssize_t order[MAX_GROUPS];
-    Py_ssize_t k = 0;
-    for (Py_ssize_t j = 0; j < n_max; j++) {
-        first[j] = k;
-        for (Py_ssize_t g = 0; g < groups; g++)
-            if (gstep[g] == j) order[k++] = g;
-    }
-    first[n_max] = k;
     for (Py_ssize_t s = 0; s < n_seq; s++) {
         int64_t *hs = hid + s * h;
         uint8_t *hb = hbar + s * h;
@@ -292,21 +263,7 @@ static PyObject *step(PyObject *self, PyObject *args) {
             blocked = blocked || hb[q] != 0;
             tok[b] = blocked ? (uint64_t)fill : (uint64_t)hs[q];
         }
-        int64_t *o = out + s * cols;
-        uint64_t acc = 0;
-        for (Py_ssize_t j = 0; j < n_max; j++) {
-            uint64_t term = tok[peft ? n_max - 1 - j : j] * (uint64_t)mult[j];
-            acc = j ? acc ^ term : term;
-            int64_t mix = (int64_t)acc;
-            for (Py_ssize_t e = first[j]; e < first[j + 1]; e++) {
-                Py_ssize_t c0 = order[e] * heads;
-                for (Py_ssize_t c = c0; c < c0 + heads; c++) {
-                    int64_t r = mix % primes[c];
-                    if (r < 0) r += primes[c];
-                    o[c] = off ? r + off[c] : r;
-                }
-            }
-        }
+        hash_position(&c, tok, peft, out + s * cols);
         /* advance the look-back: drop the oldest, append this position (no barrier) */
         for (Py_ssize_t i = 0; i + 1 < h; i++) {
             hs[i] = hs[i + 1];
@@ -319,8 +276,8 @@ static PyObject *step(PyObject *self, PyObject *args) {
 done:
     for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
     return result;
-#undef GET
 }
+#undef GET
 
 static PyMethodDef methods[] = {
     {"rows", rows, METH_VARARGS,

@@ -239,9 +239,10 @@ class StepReader:
         # each row's file offset, its aligned span, into the submission entries: straight
         # into the ring's slots where they do not wrap (descriptor, address and tag written
         # once per plan and position), else staged
+        layer_ids = [j[1] for j in jobs]
         computed = not plan.single_file
         if computed:  # several files: the descriptors change per step (entries staged again)
-            plan_spans(plan, [j[1] for j in jobs])
+            plan_spans(plan, layer_ids)
             self._ring_plan = None
         tail = int(ring.sq_tail[0])
         pos = tail & ring.sq_mask
@@ -254,15 +255,15 @@ class StepReader:
                 ring.sqes[pos : pos + n] = _staged(ring, plan)
                 words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
                 cols = self._cols[pos] = (words[:, 1], words[:, 3])
-            if computed or not self._spans_compiled(jobs, plan, ring, pos):
+            if computed or not self._spans_compiled(layer_ids, plan, ring, pos):
                 if not computed:
-                    plan_spans(plan, [j[1] for j in jobs])
+                    plan_spans(plan, layer_ids)
                 np.copyto(cols[0], plan.tmp, casting="unsafe")  # off
                 np.copyto(cols[1], plan.span, casting="unsafe")  # len (rw_flags, the high half, 0)
             ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
         else:
             if not computed:
-                plan_spans(plan, [j[1] for j in jobs])
+                plan_spans(plan, layer_ids)
             self._cols.clear()
             self._ring_plan = None
             st = _staged(ring, plan)
@@ -302,18 +303,17 @@ class StepReader:
             ring.close()
         return True
 
-    def _spans_compiled(
-        self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]], plan: Plan, ring: Ring, pos: int
-    ) -> bool:
-        """The step's reads of one file per table written into entries ``pos..`` of ``ring``
-        and into ``plan`` (offsets, starts, spans, their total) by one compiled call; False
-        (nothing to trust) where it is not built or an id buffer is not contiguous int64."""
+    def _spans_compiled(self, ids: list[np.ndarray], plan: Plan, ring: Ring, pos: int) -> bool:
+        """The step's reads (``ids``: each table's row ids) of one file per table written
+        into entries ``pos..`` of ``ring`` and into ``plan`` (offsets, starts, spans, their
+        totals) by one compiled call; False (nothing written) where it is not built or the
+        ids are not ``plan.n`` contiguous int64."""
         spans = self._spans_fn
         if spans is None:
             return False
         try:
             plan.span_total = spans(
-                [j[1] for j in jobs], plan.base, plan.rb, plan.align, plan.off, plan.tmp,
+                ids, plan.base, plan.rb, plan.align, plan.off, plan.tmp,
                 plan.ip, plan.span, ring.sqes, pos, plan.part_span, plan.n,
             )  # fmt: skip
         except (ValueError, BufferError, TypeError):
