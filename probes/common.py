@@ -99,3 +99,52 @@ def write_json(name: str, doc: dict[str, Any]) -> Path:
 
 def cpu_note() -> str:
     return f"{os.cpu_count()} cpus, pid {os.getpid()}"
+
+
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a kernel cpu list (``"0-1,3"``)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def disk_irq_cpus(path: str | Path) -> set[int]:
+    """The CPUs that take the interrupts of the block device holding ``path``: the effective
+    affinity of its queues' lines in ``/proc/interrupts`` (``virtio1-req.0``, ``nvme0q3``).
+    Empty where that is not found (a loop or network device, no sysfs)."""
+    try:
+        st = os.stat(path)
+        node = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        if (node / "partition").exists():
+            node = node.parent
+        dev = (node / "device").resolve().name  # virtio1, nvme0, ...
+        cpus: set[int] = set()
+        with open("/proc/interrupts") as f:
+            for line in f:
+                fields = line.split()
+                name = fields[-1] if fields else ""
+                if name.startswith((f"{dev}-req", f"{dev}q")) and fields[0].endswith(":"):
+                    irq = fields[0][:-1]
+                    cpus |= _cpu_list(Path(f"/proc/irq/{irq}/effective_affinity_list").read_text())
+        return cpus
+    except (OSError, ValueError):
+        return set()
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on (``sched_getcpu``), -1 where unknown."""
+    global _getcpu
+    if _getcpu is None:
+        import ctypes
+
+        try:
+            _getcpu = ctypes.CDLL(None).sched_getcpu
+        except (OSError, AttributeError):
+            _getcpu = False
+    return int(_getcpu()) if _getcpu else -1
+
+
+_getcpu: Any = None

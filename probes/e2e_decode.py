@@ -7,6 +7,7 @@ tables in RAM vs through EngramDB (issues 18 item 5 and 21).
         [--hidden 448] [--blocks 1:10,8:4] [--arms ram,warm:module,...] [--no-train] [--dir D]
         [--keep]
         [--gpu-arms gpu:ram,gpu:host,...] [--gpu-hidden 4096] [--gpu-blocks 32] [--paired]
+        [--engine-cpu N]
 
 The model: a token embedding (8192 tokens), ``--blocks`` residual MLP blocks of width
 ``--hidden``, an lm head, and two engram-peft 1.2.7 `EngramLayer`s (ids 1 and 3, after blocks 1
@@ -60,7 +61,11 @@ Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwi
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
 module's forward, plus push/fill/prefetch calls), minor/major faults per step, RSS anon/file
 (MB), 32-token prefill and its ratio, and for a cold arm what the table's background warm read
-by the end (and how much of it paced beside the loop's prefetches, `docs/io.md`). Then the warm per-step lookup of the module vs
+by the end (and how much of it paced beside the loop's prefetches, `docs/io.md`), and the
+share of the decode's steps that ended on a CPU taking the table disk's interrupts (read from
+``/proc/interrupts``; on this VM's one-queue disk, CPU 1: a cold arm at B=8 loses ~0.1x when
+the scheduler puts the decoding thread there; ``--engine-cpu N`` pins it, from the prefill
+on, for both the arm and the in-RAM baseline). Then the warm per-step lookup of the module vs
 ``nn.Embedding`` (same processes' figures), and the training-side figure: corpus -> e_t
 (``db.stream``) -> a torch training step, tokens/s, against the same loop fed by
 ``np.take`` from the table in anonymous memory (feed only and feed + step). Writes
@@ -86,7 +91,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_note, median, write_json  # noqa: E402
+from common import cpu_note, current_cpu, disk_irq_cpus, median, write_json  # noqa: E402
 
 from engramdb.integrations.engines._env import (  # noqa: E402
     apply_inherited_hiding,
@@ -353,6 +358,7 @@ def child(args: argparse.Namespace) -> None:
 
     root = Path(args.root)
     state, kind, gpu = parse_arm(args.child)
+    irq_cpus = disk_irq_cpus(table_path(root, next(iter(ENGRAM_AFTER))))
     b = args.batch
     cfg = engram_config(args)
     h = keygen.hasher("engram-peft", cfg)
@@ -441,6 +447,7 @@ def child(args: argparse.Namespace) -> None:
         toks = np.empty((b, steps), np.int64)
         step_s = np.empty(steps)
         lookup_s = np.empty(steps)
+        cpu_of = np.empty(steps, np.int64)
 
         def feed(col: np.ndarray) -> dict[int, torch.Tensor]:
             if dec is not None:
@@ -467,6 +474,7 @@ def child(args: argparse.Namespace) -> None:
             nxt = model(torch.from_numpy(prompt), feed(prompt)).numpy()
             prefill = time.perf_counter() - t0
             prefill_lookup = Clock.total
+            pin_engine(args)  # after the prefill: the library's threads exist by now
             if dec is not None:
                 bufs["out"] = np.empty(dec.out_shape, np.uint8)
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -479,6 +487,7 @@ def child(args: argparse.Namespace) -> None:
                 nxt = model(torch.from_numpy(col), feed(col)).numpy()
                 step_s[s] = time.perf_counter() - t0
                 lookup_s[s] = Clock.total
+                cpu_of[s] = current_cpu()
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
         med = float(np.median(step_s))
         slow = step_s > 1.3 * med
@@ -498,6 +507,8 @@ def child(args: argparse.Namespace) -> None:
             "lookup_parts_us": {k: v / steps * 1e6 for k, v in Clock.parts.items()},
             "minflt": (ru1.ru_minflt - ru0.ru_minflt) / steps,
             "majflt": (ru1.ru_majflt - ru0.ru_majflt) / steps,
+            # the share of steps that ended on a CPU taking the table disk's interrupts
+            "irq_cpu_share": float(np.isin(cpu_of, list(irq_cpus)).mean()),
         }
 
     rng = np.random.default_rng(1000 + b)
@@ -508,6 +519,8 @@ def child(args: argparse.Namespace) -> None:
             args, model, h, prompt, ram_mods, tables, mods, dec, fill_layer, bufs, offs, b
         )
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
+        pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
+        pdoc["irq_cpus"] = sorted(irq_cpus)
         db.close()
         print("RESULT " + json.dumps(pdoc))
         return
@@ -520,6 +533,7 @@ def child(args: argparse.Namespace) -> None:
         "tokens_per_s": b * args.steps / r["decode_s"],
         "resident_before": resident,
         "tokens": toks.tolist(),
+        "irq_cpus": sorted(irq_cpus),
         **proc_status(),
     }
     if dec is not None:
@@ -571,6 +585,7 @@ def paired_steps(
             }
             self.wrapped: dict[int, Any] = {}
             self.toks: list[np.ndarray] = []
+            self.cpus: list[int] = []
             self.nxt: np.ndarray | None = None
 
         def enter(self) -> None:
@@ -616,6 +631,7 @@ def paired_steps(
                 col = self.nxt.reshape(-1, 1)
                 self.nxt = model(torch.from_numpy(col), self.feed(col)).numpy()
                 total += time.perf_counter() - t0
+                self.cpus.append(current_cpu())
             return total
 
     ram = Side(ram_mods, {}, None, False)
@@ -623,6 +639,7 @@ def paired_steps(
     with torch.no_grad():
         arm.start()  # first: the cold arm's first reads are part of what is measured
         ram.start()
+        pin_engine(args)  # after both starts: the library's threads exist by now
         blocks = args.steps // PAIR_BLOCK
         t_ram, t_arm, ratios = 0.0, 0.0, []
         for k in range(blocks):
@@ -644,7 +661,16 @@ def paired_steps(
         "paired_blocks": blocks,
         "paired_tokens_identical": not diff and len(ram.toks) == len(arm.toks),
         "paired_first_difference": first,
+        "arm_cpus": arm.cpus,
     }
+
+
+def pin_engine(args: argparse.Namespace) -> None:
+    """``--engine-cpu N``: the decoding thread from here on runs on CPU ``N`` only (threads it
+    starts later inherit that; the library's reader and warm threads started at the prefill
+    keep every CPU)."""
+    if args.engine_cpu is not None:
+        os.sched_setaffinity(0, {args.engine_cpu})
 
 
 #: Steps per block of the ``--paired`` alternation.
@@ -722,6 +748,8 @@ def spawn(
         cmd.append("--no-background-warm")
     if args.switch_interval_ms is not None:
         cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
+    if args.engine_cpu is not None:
+        cmd += ["--engine-cpu", str(args.engine_cpu)]
     if paired:
         cmd.append("--paired")
     return run_child(cmd, f"arm {arm} B={b}", args.arm_timeout)
@@ -795,6 +823,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
                 "slow_steps",
                 "excess_ms",
                 "slow_lookup_ms",
+                "irq_cpu_share",
             )
         }
         m["decode_vs_ram"] = m["tokens_per_s"] / ram_tps
@@ -845,6 +874,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
             + ", ".join(f"{k} {v:.0f}" for k, v in m["lookup_parts_us"].items())
             + f"; {m['slow_steps']:.0f} steps > 1.3x p50 ({m['slow_lookup_ms']:.0f} ms of lookup"
             + f" in them), {m['excess_ms']:.0f} ms over p50 in all"
+            + f"; {m['irq_cpu_share']:.0%} of steps on the disk's interrupt CPU"
+            + ("" if len(rs[0].get("irq_cpus", [])) == 1 else "s")
+            + f" {rs[0].get('irq_cpus')}"
             + (f"; vs gpu:host {m['decode_vs_host']:.3f}x" if host_tps else "")
         )
     step = rows[next(iter(rows))]["step_p50_ms"]
@@ -908,6 +940,14 @@ def main() -> None:
         type=float,
         default=None,
         help="sys.setswitchinterval in each arm's process (default: Python's 5 ms)",
+    )
+    ap.add_argument(
+        "--engine-cpu",
+        type=int,
+        default=None,
+        help="run each arm's decoding thread on this CPU only, from its prefill on (default: "
+        "the scheduler's choice; the summary reports the share of steps on the CPUs that "
+        "take the table disk's interrupts)",
     )
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the tables")
@@ -1019,6 +1059,7 @@ def run_batch(
                 continue
             rows[arm]["paired_vs_ram"] = median([p["paired_vs_ram"] for p in ps])
             rows[arm]["paired_vs_ram_reps"] = [p["paired_vs_ram"] for p in ps]
+            rows[arm]["paired_irq_cpu_share"] = [p["irq_cpu_share"] for p in ps]
             same_p = all(p["paired_tokens_identical"] for p in ps)
             ok &= same_p
             print(
@@ -1027,6 +1068,8 @@ def run_batch(
                 + "  block medians "
                 + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
                 + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
+                + "  steps on the disk's interrupt CPU "
+                + " ".join(f"{p['irq_cpu_share']:.0%}" for p in ps)
                 + f"  tokens identical {'yes' if same_p else 'NO'}"
                 + "".join(
                     f"  (rep {k}: first difference at step {d['step']}, sequences {d['sequences']})"
