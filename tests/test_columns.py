@@ -274,3 +274,35 @@ def test_heads_checker_and_rows_matcher_read_ids_in_place(rng: np.random.Generat
     strided = np.zeros((3, 6), np.int64)[:, ::2]
     assert not match(huge.ctypes.data, 3, strided[:1], offsets.tobytes())  # not contiguous
     assert not match(huge.ctypes.data, 3, None, offsets.tobytes())
+
+
+@native
+def test_globalizer_checks_and_offsets_ids_in_place(rng: np.random.Generator) -> None:
+    """The compiled check-and-offset of ids at a tensor's address: where every id is below
+    its head's size (negative ids are huge) it writes numpy's ``ids + offsets`` and says
+    True; otherwise False. Counts that are not whole rows of heads, or an ``out`` of another
+    length, are False."""
+    to_global = columns.globalizer()
+    assert to_global is not None
+    heads = np.array([5, 9, 2], np.int64)
+    bounds = heads.astype(np.uint64).tobytes()
+    offsets = np.array([0, 5, 14], np.int64)
+    offs = offsets.tobytes()
+    for _ in range(200):
+        ids = rng.integers(-2, 11, (int(rng.integers(0, 6)), 3)).astype(np.int64)
+        out = np.full(ids.size, -7, np.int64)
+        ok = to_global(ids.ctypes.data, ids.size, bounds, offs, out)
+        assert ok == bool(((ids >= 0) & (ids < heads)).all())
+        if ok:
+            assert np.array_equal(out, (ids + offsets).reshape(-1))
+        if ids.size:
+            assert not to_global(ids.ctypes.data, ids.size - 1, bounds, offs, out[:-1])
+            assert not to_global(ids.ctypes.data, ids.size, bounds, offs, out[:-1])
+    edge = np.array([[4, 8, 1], [0, 0, 0]], np.int64)  # each head's last row
+    out = np.empty(6, np.int64)
+    assert to_global(edge.ctypes.data, 6, bounds, offs, out)
+    assert out.tolist() == [4, 13, 15, 0, 5, 14]
+    edge[1, 2] = 2  # one past head 2's rows
+    assert not to_global(edge.ctypes.data, 6, bounds, offs, out)
+    with pytest.raises(TypeError):  # out must be writable
+        to_global(edge.ctypes.data, 6, bounds, offs, bytes(48))

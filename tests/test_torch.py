@@ -372,6 +372,42 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
             m(bad)
 
 
+def test_module_prefetch_ids_compiled_and_numpy_agree(tmp_path: Path) -> None:
+    """A prefetch's validated global ids: the compiled call (contiguous CPU int64 tensors)
+    and the numpy path give the same rows, accept each head's last row and refuse one past
+    it or a negative id; int32 and strided tensors take the numpy path."""
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        m = DiskMultiHeadEmbedding(db["l1"])
+        if m._global_at is None:
+            pytest.skip("compiled gather not built")
+        heads = torch.tensor([int(p) for p in h.primes(1)], dtype=torch.int64)
+        offsets = torch.from_numpy(db["l1"].head_offsets.copy())
+        rng = np.random.default_rng(4)
+        base = torch.from_numpy(rng.integers(0, int(heads.min()), (3, 2, len(heads))))
+        cases = [base, base[:, :1].contiguous(), heads.expand(2, 1, -1) - 1]
+        for ids in cases:
+            got = m._global(ids)
+            assert got is not None and got.dtype == np.int64
+            assert np.array_equal(got, (ids + offsets).reshape(-1).numpy())
+            compiled, m._global_at = m._global_at, None
+            try:
+                assert np.array_equal(m._global(ids), got)  # the numpy path
+            finally:
+                m._global_at = compiled
+            m.prefetch(ids)
+            assert torch.equal(m(ids), mods[1].multi_head_embedding(ids))
+        for bad_at, value in ((0, int(heads[0])), (len(heads) - 1, -1)):
+            bad = base.clone()
+            bad[1, 1, bad_at] = value
+            assert m._global(bad) is None
+            assert not m.prefetch(bad)
+            with pytest.raises(RowIdOutOfRange):
+                m(bad)
+        for other in (base.to(torch.int32), base.transpose(0, 1)):
+            assert np.array_equal(m._global(other), (other.long() + offsets).reshape(-1).numpy())
+
+
 def test_module_prefetch_of_a_mapped_table_starts_nothing(tmp_path: Path) -> None:
     """Once the read rule serves the table from its mapping, `prefetch` returns False and
     counts a skip (the forward's gather is cheaper than a background read); out of the

@@ -13,8 +13,9 @@
  * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the columns'
  * passes), each column with its own prefetch stream.
  *
- * in_heads: a decode step's per-head bounds check of ids at a tensor's address; rows_match:
- * whether such ids are exactly the global rows a decoder filled.
+ * in_heads: a decode step's per-head bounds check of ids at a tensor's address; global_ids:
+ * that check and the ids' global rows in one pass; rows_match: whether such ids are exactly
+ * the global rows a decoder filled.
  *
  * Optional: the package works without it (engramdb.io.gather falls back to numpy).
  */
@@ -242,6 +243,40 @@ static PyObject *in_heads(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* global_ids(address, n, bounds, offsets, out) -> whether each of the n int64 local ids at
+ * address is below its head's bound (id i against bounds[i % H], read as unsigned: a
+ * negative id is huge); where they all are, out (a writable C-contiguous buffer of n int64)
+ * holds each id plus its head's offset (offsets: H int64 as bytes). A decode step's
+ * validation and global ids in one call, from the address of a contiguous CPU int64 tensor
+ * the caller holds (torch's data_ptr()). False (out partly written: discard it) where an id
+ * is out of range, the counts disagree, or n is not a multiple of H. */
+static PyObject *global_ids(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t n;
+    Py_buffer b, off, o;
+    if (!PyArg_ParseTuple(args, "Kny*y*w*", &address, &n, &b, &off, &o)) return NULL;
+    const int64_t *ids = (const int64_t *)(uintptr_t)address;
+    const uint64_t *bounds = (const uint64_t *)b.buf;
+    const int64_t *offs = (const int64_t *)off.buf;
+    int64_t *out = (int64_t *)o.buf;
+    Py_ssize_t h = b.len / 8;
+    int ok = h > 0 && off.len == b.len && n >= 0 && n % h == 0 && o.len == n * 8 &&
+             (n == 0 || ids != NULL);
+    for (Py_ssize_t i = 0; ok && i < n; i += h)
+        for (Py_ssize_t j = 0; j < h; j++) {
+            uint64_t v = (uint64_t)ids[i + j];
+            if (v >= bounds[j]) {
+                ok = 0;
+                break;
+            }
+            out[i + j] = (int64_t)(v + (uint64_t)offs[j]);
+        }
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&off);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(ok);
+}
+
 /* rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus
  * their head's offset (offsets: H int64 as bytes; id i is of head i % H) equal the int64
  * global row ids of the C-contiguous buffer rows (n of them): the pre-fetched-rows hook's
@@ -283,6 +318,8 @@ static PyMethodDef methods[] = {
     {"in_heads", in_heads, METH_VARARGS,
      "in_heads(address, n, bounds) -> whether the n int64 ids at address are each below\n"
      "their head's bound (bounds: H uint64 as bytes; id i against bounds[i % H])."},
+    {"global_ids", global_ids, METH_VARARGS,
+     "global_ids(address, n, bounds, offsets, out) -> bool: ids checked per head, plus offsets."},
     {"rows_match", rows_match, METH_VARARGS,
      "rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus\n"
      "their head's offset equal the global row ids of rows (offsets: H int64 as bytes)."},

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - built without a C compiler
 
 __all__ = [
     "NATIVE_ENV",
+    "globalizer",
     "heads_checker",
     "native_enabled",
     "rows_matcher",
@@ -125,6 +126,16 @@ def heads_checker() -> Callable[[int, int, bytes], bool] | None:
     huge). One call and no numpy array: inside a model step, where numpy's code has left
     the CPU caches, it costs a fraction of a numpy check of the same few ids."""
     return _compiled("in_heads")  # type: ignore[no-any-return]
+
+
+def globalizer() -> Callable[[int, int, bytes, bytes, Any], bool] | None:
+    """The compiled ``to_global(address, n, bounds, offsets, out) -> bool`` (None when the
+    loop is not built or is turned off): `heads_checker`'s check of the ``n`` int64 local ids
+    at ``address`` and, where they are all in range, each id plus its head's offset
+    (``offsets``: ``H`` int64 as bytes) written into ``out`` (a writable C-contiguous int64
+    array of ``n``), as numpy's ``ids + offsets`` would. False where an id is out of range
+    (``out`` then partly written: discard it) or the counts disagree."""
+    return _compiled("global_ids")  # type: ignore[no-any-return]
 
 
 def rows_matcher() -> Callable[[int, int, Any, bytes], bool] | None:
