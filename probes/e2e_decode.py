@@ -874,9 +874,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
             + ", ".join(f"{k} {v:.0f}" for k, v in m["lookup_parts_us"].items())
             + f"; {m['slow_steps']:.0f} steps > 1.3x p50 ({m['slow_lookup_ms']:.0f} ms of lookup"
             + f" in them), {m['excess_ms']:.0f} ms over p50 in all"
-            + f"; {m['irq_cpu_share']:.0%} of steps on the disk's interrupt CPU"
-            + ("" if len(rs[0].get("irq_cpus", [])) == 1 else "s")
-            + f" {rs[0].get('irq_cpus')}"
+            + (
+                f"; {m['irq_cpu_share']:.0%} of steps on the disk's interrupt CPUs "
+                f"{rs[0]['irq_cpus']}"
+                if rs[0].get("irq_cpus")
+                else "; the disk's interrupt CPUs not found"
+            )
             + (f"; vs gpu:host {m['decode_vs_host']:.3f}x" if host_tps else "")
         )
     step = rows[next(iter(rows))]["step_p50_ms"]
