@@ -46,6 +46,18 @@ def _rpb(row_bytes: int) -> int:
     return 4096 // math.gcd(row_bytes, 4096)
 
 
+def _reader(compiled: bool) -> StepReader:
+    """A step reader with its compiled entry writer and row copier, or (``compiled`` False)
+    with both off, so numpy writes the entries and copies the rows; skips where they are
+    not built."""
+    reader = StepReader()
+    if not compiled:
+        reader._spans_fn = reader._copy_fn = None
+    elif reader._spans_fn is None or reader._copy_fn is None:
+        pytest.skip("the compiled step writer and copier are not built")
+    return reader
+
+
 def _edges(n: int, rng: np.random.Generator, k: int = 40) -> np.ndarray:
     return np.concatenate([[0, 1, n - 2, n - 1], rng.integers(0, n, k)]).astype(np.int64)
 
@@ -116,11 +128,7 @@ def test_step_entries_written_by_either_path_read_the_same_rows(
     src, raw = _unaligned_tensor(tmp_path, rng)
     with engramdb.open(tmp_path / "db") as db:
         st = db["t"]
-        reader = StepReader()
-        if not compiled:
-            reader._spans_fn = reader._copy_fn = None
-        elif reader._spans_fn is None:
-            pytest.skip("the compiled step writer is not built")
+        reader = _reader(compiled)
         for step in range(9):  # 2 x 44 rows a step: the 256-entry ring wraps on the 3rd
             evict(src)
             a, b = _edges(st.n_rows, rng), _edges(st.n_rows, rng)
@@ -144,11 +152,7 @@ def test_finish_into_writes_a_strided_destination_per_ticket(
     engramdb.build(tmp_path, "t", 160, [full], rows_per_badge=128)
     with engramdb.open(tmp_path) as db:
         st = db["t"]
-        reader = StepReader()
-        if not compiled:
-            reader._copy_fn = reader._spans_fn = None
-        elif reader._copy_fn is None:
-            pytest.skip("the compiled step copier is not built")
+        reader = _reader(compiled)
         for step in range(2):  # per ticket, then the whole step at once
             evict(tmp_path / st.info.shards[0].path)
             a = rng.integers(0, 4000, (3, 8)).astype(np.int64)  # [B, H]
