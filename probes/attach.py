@@ -11,12 +11,13 @@ attached tables against the same tables built, in the same run.
 2. Real data (``--gib`` GiB of random rows in one safetensors file): table ``w`` attaches the
    weight tensor (one column: 256 B rows), ``ws`` weight + scale (264 B rows from two
    tensors); ``w_built`` / ``ws_built`` are the same rows built (``build --from-attached``).
-   Warm (populated; ``ws`` also loads its 8 B scale column into RAM, checked; single-thread
+   Warm (populated; ``ws`` also loads its RAM record into RAM: the 8 B scale and the bytes
+   of each weight row on a cache line of their own, engramdb.read.resident; checked; single-thread
    baseline ``np.take`` on the built mapping first): 16 batches of 16,384 random ids through
    ``fetch_into`` per repetition, the CPU caches flushed before every arm (`CacheFlush`: the
    arms read the same rows, and the 480 MiB last-level cache here would otherwise hand an
    arm the rows the arm before it read). Cold: a fresh process per arm and repetition opens the
-   database (an attached ``ws`` loads its scale column, timed and reported, not in the
+   database (an attached ``ws`` loads its RAM record, timed and reported, not in the
    timed batch), drops its own mapped pages, evicts the files with POSIX_FADV_DONTNEED (no
    global drop_caches), checks residency < 1 %, then times one batch of 16,384 random ids
    (default ``auto`` backend). Arms interleaved ABBA; per-repetition and median
@@ -236,7 +237,7 @@ def main() -> None:
             # 2 MiB page-cache folios; cold random reads before it would leave 4 KiB ones in
             # every region they touched, and the comparison would time the TLB)
             for st in t.values():
-                st.populate()  # attached ws: also loads its 8 B scale column into RAM
+                st.populate()  # attached ws: also loads its RAM record (scale + spill)
             # one CPU read of every byte of every file: on this VM the first CPU touch of
             # memory the device wrote is slow (a first repetition at 0.3 M rows/s, seen)
             for p in {p for st in t.values() for p in table_files(st)}:
@@ -248,9 +249,19 @@ def main() -> None:
                 assert np.array_equal(t[k].fetch(ids[0]), want), k
             state, load_s = resident_of(t["ws"])
             assert state == "ready", state  # the path under test ran
-            doc["ws_resident"] = {"state": state, "load_ms": load_s * 1e3, "bytes": n * 8}
+            rec = t["ws"]._segments.record
+            spill = rec.spill[1] if rec.spill else 0
+            assert rec.spill_state == ("ready" if spill else "off"), rec.spill_state
+            doc["ws_resident"] = {
+                "state": state,
+                "load_ms": load_s * 1e3,
+                "bytes": rec.nbytes,
+                "spill_bytes_per_row": spill,
+            }
             print(
-                f"ws: scale column resident ({n * 8 / 2**20:.1f} MiB, loaded in {load_s * 1e3:.1f} ms)"
+                f"ws: RAM record of {8 + spill} B per row (8 B scale + {spill} B of each weight "
+                f"row on a line of its own; {rec.nbytes / 2**20:.1f} MiB), loaded in "
+                f"{load_s * 1e3:.1f} ms"
             )
             for k in ("w", "ws"):
                 want = t[f"{k}_built"].fetch(ids[1])
@@ -315,7 +326,7 @@ def main() -> None:
             print(f"  rep {r}: " + "  ".join(row))
         loads = [e["resident_load_ms"] for e in extra["ws"]]
         print(
-            f"  ws in each fresh process: scale column loaded in {median(loads):.1f} ms "
+            f"  ws in each fresh process: RAM record loaded in {median(loads):.1f} ms "
             f"(median; before eviction, not in the timed batch)"
         )
         doc["warm"] = w

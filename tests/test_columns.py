@@ -48,6 +48,29 @@ def test_rows_equal_the_concatenated_columns(
 
 
 @native
+def test_placed_columns_copy_byte_ranges_of_wider_rows(rng: np.random.Generator) -> None:
+    # the weight rows less their first 24 bytes, then a record of those 24 bytes + a scale
+    n = 3000
+    w = rng.integers(0, 256, (n, 256), dtype=np.uint8)
+    rec = rng.integers(0, 256, (n, 32), dtype=np.uint8)
+    specs = [(w, 232, 256, 24, 24), (rec, 24, 32, 0, 0), (rec, 8, 32, 24, 256)]
+    for size in (0, 1, 33, 600):
+        ids = rng.integers(0, n, size)
+        out = np.full((size, 272), 0xAB, np.uint8)  # 8 bytes no column names
+        assert columns.take_columns(specs, ids, out)
+        assert np.array_equal(out[:, 24:256], w[ids, 24:])
+        assert np.array_equal(out[:, :24], rec[ids, :24])
+        assert np.array_equal(out[:, 256:264], rec[ids, 24:])
+        assert (out[:, 264:] == 0xAB).all()  # left alone
+    with pytest.raises(RowIdOutOfRange, match="3000"):
+        columns.take_columns(specs, np.array([5, 3000], np.int64), np.empty((2, 272), np.uint8))
+    with pytest.raises(ValueError, match="stride"):  # 250 bytes at 24 overrun a 256 B row
+        columns.take_columns([(w, 250, 256, 24, 0)], np.arange(2), np.empty((2, 250), np.uint8))
+    with pytest.raises(ValueError, match="out holds"):  # a column past the output row
+        columns.take_columns([(w, 256, 256, 0, 8)], np.arange(2), np.empty((2, 256), np.uint8))
+
+
+@native
 def test_an_id_out_of_range_raises_naming_it(rng: np.random.Generator) -> None:
     w, s = np.zeros((100, 256), np.uint8), np.zeros((90, 8), np.uint8)  # s shorter
     ids = np.array([1, 2, 95, 3], np.int64)

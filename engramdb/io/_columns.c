@@ -29,10 +29,13 @@
 #define CHUNK 256 /* rows per chunk of a several-column gather */
 
 typedef struct {
-    const uint8_t *base;
-    Py_ssize_t width;
+    const uint8_t *src;  /* the source buffer */
+    int joined;          /* same source and stride as the column before: copied in its pass */
+    const uint8_t *base; /* row r's bytes start at base + r * stride */
+    Py_ssize_t width;    /* bytes copied per row */
+    Py_ssize_t stride;   /* bytes between the source's rows */
     Py_ssize_t rows;
-    Py_ssize_t start;
+    Py_ssize_t start;    /* where the bytes go in an output row */
 } column_t;
 
 /* Asks for the source lines of a row of w bytes at p (into L2: prefetcht2). */
@@ -89,25 +92,33 @@ static PyObject *take(PyObject *self, PyObject *args) {
     Py_buffer views[MAX_COLUMNS + 2];
     int held = 0;
     column_t cols[MAX_COLUMNS];
-    Py_ssize_t row_bytes = 0;
+    Py_ssize_t row_bytes = 0, packed = 0;
+    int placed = 0; /* some column names where its bytes go */
     for (Py_ssize_t c = 0; c < k; c++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, c);
         PyObject *src;
-        Py_ssize_t width;
-        if (!PyArg_ParseTuple(item, "On", &src, &width)) goto fail;
+        Py_ssize_t width, stride = -1, skip = 0, dst = -1;
+        if (!PyArg_ParseTuple(item, "On|nnn", &src, &width, &stride, &skip, &dst)) goto fail;
+        if (stride < 0) stride = width;
+        if (dst < 0) dst = packed;
+        else placed = 1;
         if (PyObject_GetBuffer(src, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
         held++;
-        if (width <= 0 || views[held - 1].len % width != 0) {
+        if (width <= 0 || skip < 0 || skip + width > stride || views[held - 1].len % stride != 0) {
             PyErr_Format(PyExc_ValueError,
-                         "column %zd: width %zd does not tile a source of %zd bytes", c, width,
-                         views[held - 1].len);
+                         "column %zd: %zd bytes at %zd of rows of %zd: the rows: stride does not tile a source "
+                         "of %zd bytes", c, width, skip, stride, views[held - 1].len);
             goto fail;
         }
-        cols[c].base = (const uint8_t *)views[held - 1].buf;
+        cols[c].src = (const uint8_t *)views[held - 1].buf;
+        cols[c].base = cols[c].src + skip;
+        cols[c].joined = c > 0 && cols[c - 1].src == cols[c].src && cols[c - 1].stride == stride;
         cols[c].width = width;
-        cols[c].rows = views[held - 1].len / width;
-        cols[c].start = row_bytes;
-        row_bytes += width;
+        cols[c].stride = stride;
+        cols[c].rows = views[held - 1].len / stride;
+        cols[c].start = dst;
+        packed += width;
+        if (dst + width > row_bytes) row_bytes = dst + width;
     }
     if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
     held++;
@@ -116,6 +127,9 @@ static PyObject *take(PyObject *self, PyObject *args) {
         goto fail;
     held++;
     Py_buffer *out_view = &views[held - 1];
+    if (placed && ids_view->len >= 8 && out_view->len % (ids_view->len / 8) == 0 &&
+        out_view->len / (ids_view->len / 8) >= row_bytes)
+        row_bytes = out_view->len / (ids_view->len / 8); /* placed columns: out's own rows */
     if (ids_view->len % 8 != 0 || out_view->len != ids_view->len / 8 * row_bytes) {
         PyErr_Format(PyExc_ValueError, "out holds %zd bytes, %zd ids of %zd bytes need %zd",
                      out_view->len, ids_view->len / 8, row_bytes,
@@ -127,7 +141,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
     Py_ssize_t n = ids_view->len / 8;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    if (k == 1) {
+    if (k == 1 && cols[0].stride == cols[0].width && cols[0].width == row_bytes) {
         bad = take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n, 1);
         goto done;
     }
@@ -140,21 +154,29 @@ static PyObject *take(PyObject *self, PyObject *args) {
             n = i; /* rows before the bad id are written, none after */
             break;
         }
-    /* column by column within chunks of CHUNK rows (their output lines stay in L1/L2
-     * between the columns' passes): each pass is one source's gather with its own
-     * prefetch stream, so a narrow column's misses do not queue behind a wide one's */
+    /* source by source within chunks of CHUNK rows (their output lines stay in L1/L2
+     * between the sources' passes): each pass is one source's gather with its own prefetch
+     * stream, so a narrow column's misses do not queue behind a wide one's; columns of one
+     * source (pieces of its rows: a RAM record's spill and scale) are copied in one pass */
     for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {
         Py_ssize_t hi = lo + CHUNK < n ? lo + CHUNK : n;
-        for (Py_ssize_t c = 0; c < k; c++) {
-            const uint8_t *base = cols[c].base;
-            Py_ssize_t w = cols[c].width;
-            uint8_t *dst = out + cols[c].start;
+        for (Py_ssize_t c = 0, g; c < k; c = g) {
+            Py_ssize_t first = cols[c].base - cols[c].src, last = first + cols[c].width;
+            for (g = c + 1; g < k && cols[g].joined; g++) {
+                Py_ssize_t a = cols[g].base - cols[g].src;
+                if (a < first) first = a;
+                if (a + cols[g].width > last) last = a + cols[g].width;
+            }
+            const uint8_t *pre = cols[c].src + first; /* the lines the pass reads */
+            Py_ssize_t pw = last - first, s = cols[c].stride;
             if (lo == 0)
                 for (Py_ssize_t i = 0; i < (n < AHEAD ? n : AHEAD); i++)
-                    prefetch_src(base + ids[i] * w, w);
+                    prefetch_src(pre + ids[i] * s, pw);
             for (Py_ssize_t i = lo; i < hi; i++) {
-                if (i + AHEAD < n) prefetch_src(base + ids[i + AHEAD] * w, w);
-                memcpy(dst + i * row_bytes, base + ids[i] * w, (size_t)w);
+                if (i + AHEAD < n) prefetch_src(pre + ids[i + AHEAD] * s, pw);
+                for (Py_ssize_t j = c; j < g; j++)
+                    memcpy(out + cols[j].start + i * row_bytes, cols[j].base + ids[i] * s,
+                           (size_t)cols[j].width);
             }
         }
     }

@@ -5,7 +5,9 @@
   thread for 256 B rows from memory; docs/io.md has the figures), used by
   `engramdb.io.gather.take_one` for batches of 64 KiB or more.
 * `take_columns`: rows assembled from several column sources in one call (an attached
-  table's 256 B weight row + 8 B scale row into a 264 B row). numpy cannot gather into a
+  table's 256 B weight row + 8 B scale row into a 264 B row; a column may also be a byte
+  range of wider source rows, placed anywhere in the output row: the weight row less its
+  spill, and the RAM record of spill + scale, `engramdb.read.resident`). numpy cannot gather into a
   strided destination (``np.take`` wants a contiguous ``out``), so the numpy way costs one
   gather per column plus a strided copy of each. The compiled loop writes every column
   straight into place, column by column within chunks of 256 rows, each column with its
@@ -19,7 +21,7 @@ process); the caller then takes its numpy path.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -58,22 +60,29 @@ def native_enabled() -> bool:
     return _enabled
 
 
-def take_columns(columns: list[tuple[np.ndarray, int]], ids: np.ndarray, out2d: np.ndarray) -> bool:
-    """``out2d[i]`` = the concatenation of row ``ids[i]`` of each ``(source, width)`` column
-    (sources C-contiguous ``[rows, width]`` uint8, in row order; ``ids`` int64, ``out2d``
-    C-contiguous ``[len(ids), sum of widths]``) in one compiled pass. False (nothing
+def take_columns(
+    columns: Sequence[tuple[np.ndarray, int] | tuple[np.ndarray, int, int, int, int]],
+    ids: np.ndarray,
+    out2d: np.ndarray,
+) -> bool:
+    """Rows of ``ids`` (int64) assembled from column sources into ``out2d`` (C-contiguous
+    ``[len(ids), row bytes]``) in one compiled pass. A column is ``(source, width)``: the
+    columns' rows follow each other in an output row, in order, their widths summing to a
+    row; or ``(source, width, stride, skip, dst)``: ``width`` bytes at ``skip`` of each
+    ``stride``-byte row of ``source`` go to byte ``dst`` of an output row (bytes no column
+    names are left alone). Sources are C-contiguous arrays of whole rows. False (nothing
     written) when the compiled loop is not available or an array is not contiguous; raises
     `RowIdOutOfRange` for an id past a column's rows (rows before it are written)."""
     if not native_enabled():
         return False
     if not (ids.dtype == np.int64 and ids.flags.c_contiguous and out2d.flags.c_contiguous):
         return False
-    if not all(src.flags.c_contiguous for src, _ in columns):
+    if not all(c[0].flags.c_contiguous for c in columns):
         return False
     assert _native is not None
     bad = _native.take(out2d, ids, columns)
     if bad >= 0:
-        rows = min(src.shape[0] for src, _ in columns)
+        rows = min(c[0].nbytes // (c[2] if len(c) == 5 else c[1]) for c in columns)
         raise RowIdOutOfRange(f"row id {int(ids[bad])} out of range [0, {rows})")
     return True
 

@@ -18,9 +18,11 @@ once; a run is a zero-copy ``[rows, width]`` view of its file's mapping.
   (V4.1's 8 B scale of a 264 B row) is read sequentially into RAM once, in a background
   thread started by the first read (or by `populate`, which waits for it), while the
   process-wide budget allows (`resident_budget`: ``ENGRAMDB_ATTACH_RESIDENT`` bytes, ``0``
-  turns it off; default 1/16 of ``MemTotal``). Until it is loaded (or when it does not
-  fit, or the load fails) the column is read from its source like the others. Once loaded
-  a cold row costs one device read, like a built row.
+  turns it off; default 1/16 of ``MemTotal``): one record per row, with the widest
+  column's bytes on a cache line of their own where that pays (`engramdb.read.resident`).
+  Until it is loaded (or when it does not fit, or the load fails) the column is read from
+  its source like the others. Once loaded a cold row costs one device read, like a built
+  row.
 * Cold reads: `plan` returns a `ReadPlan` with one read per (distinct row, column not
   resident) at the absolute file offset, and `fill_resident` writes the resident columns
   into the assembled rows, so the syscall backends (preadv, io_uring, O_DIRECT widened to the
@@ -35,7 +37,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -49,52 +50,18 @@ from engramdb.io.mapping import (
     madvise,
     map_file_aligned,
     populate_sequential,
-    prefault,
     range_pages,
     unmap_range,
 )
-from engramdb.io.tiers import meminfo, parse_budget
 from engramdb.layouts.geometry import PAGE
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.plan import ReadPlan
+from engramdb.read.resident import RESIDENT_ENV, ResidentRecord, Spec, resident_budget
 
 __all__ = ["CHUNK_ROWS", "RESIDENT_ENV", "SourceSegments", "resident_budget"]
 
 #: Ids per chunk of a multi-column gather: 2048 rows of a 256 B column is 512 KiB (in L2).
 CHUNK_ROWS = 2048
-#: Bytes of resident narrow columns this process may hold (``0``: none).
-RESIDENT_ENV = "ENGRAMDB_ATTACH_RESIDENT"
-_LOAD_BYTES = 8 << 20  # one sequential pread of a resident column's load
-
-_budget_lock = threading.Lock()
-_resident_used = 0
-
-
-def resident_budget() -> int:
-    """Bytes of narrow columns all attached tables of this process may keep in RAM:
-    ``ENGRAMDB_ATTACH_RESIDENT`` (a size, e.g. ``"2G"``; ``0`` turns residency off) if set,
-    else 1/16 of ``MemTotal``."""
-    env = os.environ.get(RESIDENT_ENV, "").strip()
-    if env:
-        b = parse_budget(env, what=RESIDENT_ENV)
-        if b is not None:
-            return b
-    return meminfo().get("MemTotal", 0) // 16
-
-
-def _reserve(nbytes: int) -> bool:
-    global _resident_used
-    with _budget_lock:
-        if _resident_used + nbytes > resident_budget():
-            return False
-        _resident_used += nbytes
-        return True
-
-
-def _release(nbytes: int) -> None:
-    global _resident_used
-    with _budget_lock:
-        _resident_used = max(0, _resident_used - nbytes)
 
 
 class _Column:
@@ -133,16 +100,11 @@ class _Column:
             return [int(self.file[0])]
         return np.unique(self.file[run]).tolist()  # type: ignore[no-any-return]
 
-    def source(self) -> np.ndarray:
-        """The ``[n_rows, width]`` array of a one-run column: its RAM copy once resident."""
-        return self.resident if self.resident is not None else self.arrays[0]
-
     def take(self, flat: np.ndarray, out: np.ndarray, run: np.ndarray | None) -> None:
-        """``out[i] = row flat[i]`` of this column (``out`` contiguous ``[n, width]``);
-        ``run`` from `runs_of`."""
-        src = self.source()
+        """``out[i] = row flat[i]`` of this column from its source (``out`` contiguous
+        ``[n, width]``); ``run`` from `runs_of`."""
         if run is None:
-            np.take(src, flat, axis=0, out=out, mode="clip")
+            np.take(self.arrays[0], flat, axis=0, out=out, mode="clip")
             return
         order = np.argsort(run, kind="stable")
         counts = np.bincount(run, minlength=len(self.arrays))
@@ -231,15 +193,16 @@ class SourceSegments:
         ]
         #: The widest column when it is one run (one array at one file offset), else None.
         self._wide_run = widest if len(widest.arrays) == 1 and self.n_rows > 0 else None
-        #: ``off`` (nothing to keep), ``idle``, ``loading``, ``ready``, or why not
-        #: (``over budget``, ``failed: ...``, ``closed``).
-        self.resident_state = "idle" if self._narrow else "off"
-        self.resident_bytes = 0
-        self.resident_seconds = 0.0
-        self._loader: threading.Thread | None = None
-        self._release: weakref.finalize | None = None  # type: ignore[type-arg]
-        self._load_lock = threading.Lock()
-        self._stop = False
+        #: The narrow columns (and the wide rows' spill) in RAM, once loaded.
+        self.record = ResidentRecord(
+            self.name,
+            self.n_rows,
+            list(self._narrow),
+            self._wide_run,
+            self._pread,
+            self._wide_resident,
+        )
+        self._specs: tuple[tuple[bool, bool], list[Spec]] | None = None
         self._split = SplitDecision()
         self._bufs = threading.local()
         #: One row as a structured dtype with a ``V{width}`` field per column.
@@ -270,76 +233,40 @@ class SourceSegments:
         base = int(self.files[f].ctypes.data)
         return self._fds[f], lo, hi - lo, base + lo
 
+    @property
+    def resident_state(self) -> str:
+        """The record's: ``off``, ``idle``, ``loading``, ``ready``, or why not."""
+        return self.record.state
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.record.nbytes
+
+    @property
+    def resident_seconds(self) -> float:
+        return self.record.seconds
+
     def start_resident(self) -> None:
-        """Start loading the narrow columns into RAM in a background thread (once; nothing
-        when there are none or the budget is spent)."""
-        if self.resident_state != "idle":
-            return
-        with self._load_lock:
-            if self.resident_state != "idle":
-                return
-            need = sum(self.n_rows * c.width for c in self._narrow)
-            if not _reserve(need):
-                self.resident_state = f"over budget ({need} B > {resident_budget()} B left)"
-                return
-            self.resident_bytes = need
-            # returned at close, after a failed load, or when an unclosed table is collected
-            self._release = weakref.finalize(self, _release, need)
-            self.resident_state = "loading"
-            self._loader = threading.Thread(
-                target=self._load, name=f"engramdb-resident-{self.name}", daemon=True
-            )
-            self._loader.start()
+        """Start loading the narrow columns into RAM (`ResidentRecord.start`)."""
+        self.record.start()
 
     def wait_resident(self, timeout: float | None = None) -> bool:
         """Start the load if idle and wait for it; whether the narrow columns are resident."""
-        self.start_resident()
-        t = self._loader
-        if t is not None:
-            t.join(timeout)
-        return self.resident_state == "ready"
+        return self.record.wait(timeout)
 
-    def _load(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            copies = []
-            for c in self._narrow:
-                arr = prefault(np.empty((self.n_rows, c.width), np.uint8))  # read in full
-                flat = arr.reshape(-1)
-                for r in range(len(c.arrays)):
-                    lo = int(c.first[r]) * c.width
-                    n = c.arrays[r].shape[0] * c.width
-                    for o in range(0, n, _LOAD_BYTES):
-                        if self._stop:
-                            raise StoreClosed(f"table {self.name!r} is closed")
-                        m = min(_LOAD_BYTES, n - o)
-                        self._pread(int(c.file[r]), flat[lo + o : lo + o + m], int(c.offset[r]) + o)
-                copies.append(arr)
-        except Exception as e:  # the columns stay read from their sources (which guard)
-            if self._release is not None:
-                self._release()
-            self.resident_bytes = 0
-            self.resident_state = "closed" if self._stop else f"failed: {e}"
-            return
-        for c, arr in zip(self._narrow, copies):
-            c.resident = arr
-        self.resident_seconds = time.perf_counter() - t0
-        self.resident_state = "ready"
+    def _wide_resident(self) -> bool:
+        """Whether >= 99 % of the wide column's pages are in the page cache (``mincore``)."""
+        wr = self._wide_run
+        if wr is None or not self._maps:
+            return False
+        have, pages = range_pages(int(wr.arrays[0].ctypes.data), wr.arrays[0].size)
+        return pages > 0 and have >= 0.99 * pages
 
     def fill_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Write the resident columns of validated ids ``flat`` into ``out2d`` (after the
         reads of a `plan`, which leaves them out)."""
-        if self.resident_state != "ready":
-            return
-        n = flat.size
-        for c in self._narrow:
-            buf, res = self._buf(c.width), c.resident
-            assert res is not None
-            for a in range(0, n, CHUNK_ROWS):
-                b = min(n, a + CHUNK_ROWS)
-                t = buf[: b - a]
-                np.take(res, flat[a:b], axis=0, out=t, mode="clip")
-                out2d[a:b, c.start : c.start + c.width] = t
+        if self.record.state == "ready":
+            self.record.fill(flat, out2d)
 
     # -- reads ------------------------------------------------------------------------------
     def guard(self, files: list[int] | None = None) -> None:
@@ -408,7 +335,7 @@ class SourceSegments:
         hi: int,
     ) -> None:
         if all(r is None for r in runs) and take_columns(
-            [(c.source(), c.width) for c in self.columns], flat[lo:hi], out2d[lo:hi]
+            self._gather_specs(), flat[lo:hi], out2d[lo:hi]
         ):
             return  # every column one array: the compiled one-pass gather
         # Each column of ``out2d`` as a 1-D strided array of ``V{width}`` items: a copy into
@@ -417,6 +344,8 @@ class SourceSegments:
         wide = []
         for i, (c, r) in enumerate(zip(self.columns, runs)):
             dst = fields[f"c{i}"]
+            if c.resident is not None:
+                continue  # in the record: `ResidentRecord.fill` below
             if c.width * 4 <= self.row_bytes:
                 # a narrow column: one gather of the whole range (a small buffer), one copy
                 t = self._buf(c.width, hi - lo, "n")
@@ -431,6 +360,18 @@ class SourceSegments:
                 t = buf[: b - a]
                 c.take(ids, t, None if r is None else r[a:b])
                 dst[a:b] = t.reshape(-1).view(dst.dtype)
+        if self.record.array is not None:
+            self.record.fill(flat[lo:hi], out2d[lo:hi])
+
+    def _gather_specs(self) -> list[Spec]:
+        """The compiled gather's column specs (`ResidentRecord.specs`), rebuilt when the
+        record is loaded and when its spill is filled."""
+        r = self.record
+        key = (r.array is not None, r.spill_state == "ready")
+        last = self._specs
+        if last is None or last[0] != key:
+            last = self._specs = (key, r.specs(self.columns))
+        return last[1]
 
     def read_range(self, first: int, rows: int, out2d: np.ndarray) -> None:
         """Rows ``[first, first + rows)`` into ``out2d`` with long ``preadv`` calls (one per
@@ -554,6 +495,7 @@ class SourceSegments:
             key = next((m for m, span in self._maps if m <= a < m + span), a)
             per_file.setdefault(key, []).append((a, n))
         populate_sequential(list(per_file.values()), threads=threads, progress=progress)
+        self.record.fill_spill()  # the wide column is resident now
 
     def advise(self, advice: int) -> None:
         for a, n in self._ranges():
@@ -572,19 +514,9 @@ class SourceSegments:
         return hit / total if total else 1.0
 
     def close(self) -> None:
-        self._stop = True
-        t = self._loader
-        if t is not None:
-            t.join()
-            self._loader = None
-        if self._release is not None:
-            self._release()  # once: a no-op after a failed load
-            self.resident_bytes = 0
-        if self.resident_state in ("idle", "ready", "loading"):
-            self.resident_state = "closed"
+        self.record.close()
         maps, self._maps = self._maps, []
-        for c in self.columns:
-            c.resident = None
+        self._specs = None
         self.columns = []
         self._narrow = []
         self.single = None

@@ -197,7 +197,7 @@ class LocalTable(RowTable):
             mapped_bytes = self._tiers.length if self._tiers is not None else self.nbytes
             self._auto.serve_mapped = rss is None or rss >= mapped_bytes
             if self._tiers is not None:
-                self._tiers.warm.on_done = self._auto.recheck_soon
+                self._tiers.warm.on_done = self._warm_done
                 warm = self._tiers.warm
                 self._auto.warming = lambda: warm.running
                 if self._auto.serve_mapped:
@@ -241,6 +241,12 @@ class LocalTable(RowTable):
             (self._fast_base, self.row_bytes)
             if self._fast_base
             else (seg0.sample_layout() if seg0 is not None else None)
+        )
+        #: No RAM tier, and an attached table whose rows are assembled from several columns,
+        #: the widest one run: `fetch_into`'s large-batch fast path gathers through its
+        #: segments (the rule's residency sample reads that run's pages).
+        self._cols_fast = (
+            ram_budget is None and seg0 is not None and one0 is None and self._sample_at is not None
         )
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
@@ -638,7 +644,13 @@ class LocalTable(RowTable):
     def _gather_fast(
         self, a: AutoBackend | None, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray, n: int
     ) -> bool:
-        dt = self._split.take(table, ids, out2d)  # split only while timings say it pays
+        seg = self._segments
+        if self._cols_fast and seg is not None:
+            t0 = _clock()
+            seg.take(ids, out2d)  # columns assembled (it splits while timings say it pays)
+            dt = _clock() - t0
+        else:
+            dt = self._split.take(table, ids, out2d)  # split only while timings say it pays
         if a is not None and dt * 1e6 > a.slow_us * n:
             a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
         c = self._fast_counts
@@ -652,7 +664,7 @@ class LocalTable(RowTable):
         ``max`` of the ids viewed unsigned) and one ``np.take``: no lock, no backend call."""
         a = self._auto
         if (
-            self._plain
+            (self._plain or self._cols_fast)
             and self._prefetcher is None
             and (a.mapped_ok if a is not None else self._mmap_only)
             and type(rowids) is np.ndarray
@@ -664,7 +676,7 @@ class LocalTable(RowTable):
             and out.shape == ((n := rowids.shape[0]), self.row_bytes)
             and (table := self._table) is not None
         ):
-            if 0 < n <= _SMALL:
+            if 0 < n <= _SMALL and not self._cols_fast:
                 # a decode step: the shortest path (no numpy reductions): the ids' bytes
                 # checked as one integer of 64-bit lanes (`SmallBounds`)
                 if not self._small_bounds.ok(rowids):
@@ -784,6 +796,15 @@ class LocalTable(RowTable):
         return pf
 
     # -- residency ---------------------------------------------------------------------------
+    def _warm_done(self) -> None:
+        """A background warm pass read the whole table (called from its thread): the read
+        rule checks residency at its next batch, and an attached table's record takes its
+        wide rows' spill (`engramdb.read.resident`), resident now."""
+        if self._auto is not None:
+            self._auto.recheck_soon()
+        if self._segments is not None:
+            self._segments.record.start_spill()
+
     def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
         """Fault the whole table into the page tables (``MADV_POPULATE_READ``): reads it from
         the device if cold, in ``threads`` background threads (the GIL is released).
