@@ -355,7 +355,8 @@ class ResidentRecord:
     def start_spill(self) -> None:
         """`fill_spill` in a background thread (e.g. when a background warm finished)."""
         with self._lock:
-            if self.spill_state != "idle" or self.state != "ready" or self._filler is not None:
+            busy = self._filler is not None or self._stop
+            if self.spill_state != "idle" or self.state != "ready" or busy:
                 return
             self._filler = threading.Thread(
                 target=self.fill_spill, name=f"engramdb-spill-{self.name}", daemon=True
