@@ -9,9 +9,12 @@
  * take: rows assembled from several column sources (an attached table's 256 B weight row +
  * 8 B scale row). numpy has no gather into a strided destination: np.take needs a
  * contiguous `out`, so a row made of two columns costs a gather per column plus a strided
- * copy of each. This loop copies every column straight into place, column by column within
- * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the columns'
- * passes), each column with its own prefetch stream.
+ * copy of each. This loop copies every column straight into place, source by source within
+ * chunks of CHUNK rows (the chunk's output lines stay in L1/L2 between the sources'
+ * passes), each source with its own prefetch stream. A column may also be a byte range of
+ * wider source rows placed anywhere in the output row (source, width, stride, skip, dst):
+ * an attached row's weight bytes less those kept in a RAM record, and that record's pieces
+ * (engramdb.read.resident); columns of one source are copied in one pass.
  *
  * in_heads: a decode step's per-head bounds check of ids at a tensor's address; global_ids:
  * that check and the ids' global rows in one pass; rows_match: whether such ids are exactly
@@ -77,7 +80,11 @@ static void release_all(Py_buffer *views, int n) {
  *   ids:     C-contiguous buffer of int64 row ids
  *   columns: sequence of (source, width) in row order: source a C-contiguous buffer of
  *            rows * width bytes; row_bytes is the sum of the widths, and each column's
- *            bytes follow the previous column's in an output row. */
+ *            bytes follow the previous column's in an output row. Or, per column,
+ *            (source, width, stride, skip, dst): width bytes at skip of each stride-byte
+ *            row of source (rows * stride bytes) go to byte dst of an output row; once a
+ *            column names its dst, row_bytes is out's own (len(out) / len(ids)), and bytes
+ *            no column names are left alone. */
 static PyObject *take(PyObject *self, PyObject *args) {
     PyObject *out_obj, *ids_obj, *cols_obj;
     if (!PyArg_ParseTuple(args, "OOO", &out_obj, &ids_obj, &cols_obj)) return NULL;
@@ -347,7 +354,8 @@ static PyMethodDef methods[] = {
      "their head's offset equal the global row ids of rows (offsets: H int64 as bytes)."},
     {"take", take, METH_VARARGS,
      "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
-     "Rows of int64 ids assembled from (source, width) columns into out."},
+     "Rows of int64 ids assembled from (source, width) or (source, width, stride, skip, dst)\n"
+     "columns into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,12 +6,12 @@
   `engramdb.io.gather.take_one` for batches of 64 KiB or more.
 * `take_columns`: rows assembled from several column sources in one call (an attached
   table's 256 B weight row + 8 B scale row into a 264 B row; a column may also be a byte
-  range of wider source rows, placed anywhere in the output row: the weight row less its
-  spill, and the RAM record of spill + scale, `engramdb.read.resident`). numpy cannot gather into a
-  strided destination (``np.take`` wants a contiguous ``out``), so the numpy way costs one
-  gather per column plus a strided copy of each. The compiled loop writes every column
-  straight into place, column by column within chunks of 256 rows, each column with its
-  own prefetch stream.
+  range of wider source rows placed anywhere in the output row: the weight row less its
+  spill, and the RAM record of spill + scale, `engramdb.read.resident`). numpy cannot
+  gather into a strided destination (``np.take`` wants a contiguous ``out``), so the numpy
+  way costs one gather per column plus a strided copy of each. The compiled loop writes
+  every column straight into place, source by source within chunks of 256 rows, each
+  source with its own prefetch stream.
 
 Both release the GIL while they copy a large batch, like ``np.take``. They return False
 when the loop is not built or is turned off (``ENGRAMDB_NATIVE=0``, read once per

@@ -69,6 +69,10 @@ MAX_SPILL = 24
 SPILL_ENV = "ENGRAMDB_ATTACH_SPILL"
 
 
+#: A compiled gather's column: ``(source, width, stride, skip, dst)`` (`take_columns`).
+Spec = tuple[np.ndarray, int, int, int, int]
+
+
 @dataclass(frozen=True)
 class Piece:
     """Bytes of a record: ``width`` bytes at ``rec`` of the record go to ``dst`` of an
@@ -108,9 +112,7 @@ def layout(narrow: list[tuple[int, int]], spill: tuple[int, int] | None) -> tupl
     return pieces, at
 
 
-def spec_list(
-    record: np.ndarray, pieces: list[Piece], spill: bool
-) -> list[tuple[np.ndarray, int, int, int, int]]:
+def spec_list(record: np.ndarray, pieces: list[Piece], spill: bool) -> list[Spec]:
     """Compiled-gather column specs ``(record, width, record width, offset, dst)`` of the
     record's pieces (with the spill, or without it while it is not filled), pieces adjacent
     both in the record and in an output row merged into one copy."""
@@ -127,8 +129,6 @@ def spec_list(
     return [(record, w, rw, r, d) for w, r, d in out]
 
 
-#: A compiled gather's column: ``(source, width, stride, skip, dst)``.
-Spec = tuple[np.ndarray, int, int, int, int]
 #: ``pread(file index, dest, file offset)``: fills ``dest`` or raises (`TruncatedFile`).
 Pread = Callable[[int, np.ndarray, int], None]
 #: Raises (`StoreClosed`) once the table is closed: checked between reads.
