@@ -303,6 +303,34 @@ def test_a_sequential_fill_leaves_two_mib_folios(
         assert np.array_equal(s.fetch(ids), data[ids])
 
 
+def test_a_table_warmed_elsewhere_gets_its_page_tables_at_the_first_mapped_batch(
+    cold_db: tuple[Path, np.ndarray],
+) -> None:
+    """In the page cache (warmed by another process) but not mapped here: the read rule's
+    first mapped batch starts the background pass (`mapped_count` of spread pages), which
+    maps the table without a device read, with no slow batch needed (a decode step's few
+    minor faults never look slow). A table this process already maps starts nothing."""
+    path, data = cold_db
+    for p in path.rglob("*.edb"):
+        p.read_bytes()  # into the page cache, through no mapping of ours
+    ids = np.random.default_rng(4).integers(0, 50_000, 4096)
+    with engramdb.open(path) as db:
+        s = db["t"]
+        assert s.memory()["rss_file_bytes"] == 0 and s.memory()["warm"]["starts"] == 0
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"mmap": 1}
+        assert s.memory()["warm"]["starts"] == 1  # no slow batch reported
+        m = warmed_memory(s, s.nbytes)
+        assert m["warm"]["bytes_read"] == 0
+        assert np.array_equal(s.fetch(ids), data[ids])
+    with engramdb.open(path) as db:
+        s = db["t"]
+        s.populate()  # this process maps it already
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert s.stats()["choices"] == {"mmap": 1}
+        assert s.memory()["warm"]["starts"] == 0
+
+
 def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -> None:
     path, _ = cold_db
     with engramdb.open(path, background_warm=False) as db:
@@ -313,6 +341,38 @@ def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -
         assert (w.state, w.reason) == ("cancelled", "budget")
         assert 0 < w.bytes_added <= 256 << 10
         assert s.residency() * s.nbytes <= (256 << 10) + (64 << 10)
+
+
+def test_warming_means_reading_from_the_device(cold_db: tuple[Path, np.ndarray]) -> None:
+    """`warming()` (what a decoder's or module's prefetch rule asks) is a pass that reads the
+    table from the device, not one that only fills this process's page tables."""
+    path, data = cold_db
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        # cold: 1 KiB/s, so after its first 64 KiB chunk the pass waits for the rate bound
+        w = s.tiers.warm = warm_pass(s, rate=1024, budget=1 << 40, chunk=64 << 10)
+        assert not s.warming()
+        w.start()
+        deadline = time.monotonic() + 10
+        while not w.reading and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.running and w.reading and s.warming()
+        w.cancel()
+        assert not s.warming()
+        # resident (read through no mapping of ours): the pass only maps, it never reads
+        for p in path.rglob("*.edb"):
+            p.read_bytes()
+        w = s.tiers.warm = warm_pass(s, rate=1024, budget=1 << 40, chunk=64 << 10)
+        w.start()
+        assert w.wait(30) and w.state == "done"
+        assert not w.reading and w.bytes_read == 0
+        w.state = "running"  # as while such a pass runs: not warming
+        assert not s.warming()
+        w.reading = True
+        assert s.warming()
+        w.state = "done"
+        ids = np.random.default_rng(2).integers(0, s.n_rows, 500)
+        assert np.array_equal(s.fetch(ids), data[ids])
 
 
 def test_background_warm_cancels(cold_db: tuple[Path, np.ndarray]) -> None:

@@ -1,8 +1,11 @@
 """Page-cache residency of sampled addresses (``mincore``), for the `auto` read rule.
 
 `resident_count` answers "are this batch's pages resident?" for a few sampled addresses
-(~2 us each), cheap enough to run before every large batch. Whole-file residency, eviction
-and page-table helpers used by probes and tests live in `engramdb.testing.pages`.
+(~2 us each), cheap enough to run before every large batch. `mapped_count` answers "does
+this process map them?" (``/proc/self/pagemap``): a table in the page cache (warmed by
+another process) is not yet in this process's page tables, and each first touch of a page
+faults. Whole-file residency, eviction and page-table helpers used by probes and tests live
+in `engramdb.testing.pages`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 from engramdb.io.mapping import LIBC
 from engramdb.layouts.geometry import PAGE
 
-__all__ = ["resident_count"]
+__all__ = ["mapped_count", "resident_count"]
 
 
 def resident_count(addresses: list[int]) -> int:
@@ -31,3 +34,28 @@ def resident_count(addresses: list[int]) -> int:
             raise OSError(e, f"mincore: {os.strerror(e)}")
         hits += vec.value & 1
     return hits
+
+
+_PRESENT = 1 << 63  # a pagemap entry's "page present" bit (readable without privileges)
+
+
+def mapped_count(addresses: list[int]) -> int | None:
+    """How many of the given addresses (plain ints inside live mappings) this process has
+    in its page tables now (``/proc/self/pagemap``: one 8-byte ``pread`` per address, no
+    numpy); None where pagemap cannot be read (not Linux, or a restricted /proc)."""
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        hits = 0
+        for a in addresses:  # bounded by the sample size the caller chose
+            entry = os.pread(fd, 8, (a // PAGE) * 8)
+            if len(entry) != 8:
+                return None
+            hits += int.from_bytes(entry, "little") & _PRESENT != 0
+        return hits
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -186,6 +186,9 @@ class AutoBackend(Backend):
         #: Called after a slow mapped batch (it may have faulted): the table's memory policy
         #: populates this process's page tables in the background (`MappedTiers`).
         self.on_slow_mapped: Callable[[], object] | None = None
+        #: Called once, when a check first puts the rule in its mapped state (the table's
+        #: owner may then start filling this process's page tables in the background).
+        self.on_mapped: Callable[[], object] | None = None
         #: Whether resident batches may be served from the mapping (a table with an RSS budget
         #: below its size says no: mapped gathers would fault the table into its RSS; resident
         #: batches then go to buffered syscall reads, page-cache hits).
@@ -292,6 +295,10 @@ class AutoBackend(Backend):
                     self._checked = now
                     frac = self.resident_fraction(fds, offsets)
                     self._state = self._pick(frac, offsets, lengths)
+                    hook = self.on_mapped
+                    if hook is not None and self._state is mapped:
+                        self.on_mapped = None
+                        hook()
             chosen = self._state
         self.mapped_ok = mapped is not None and chosen is mapped and not self._suspect
         label = _label(chosen)

@@ -259,6 +259,7 @@ class BackgroundWarm:
         self.state = "idle"
         self.reason = ""
         self.bytes_read = 0  # bytes read from files (skipped resident chunks not counted)
+        self.reading = False  # met pages not in the page cache (not only page tables)
         self.bytes_added = 0  # page-cache pages this pass brought in, in bytes
         self.passes = 0
         self.gap_pieces = 0  # pieces read between periodic foreground batches
@@ -282,6 +283,7 @@ class BackgroundWarm:
             self._stop.clear()
             self.state, self.reason = "running", ""
             self.bytes_read = self.bytes_added = 0
+            self.reading = False
             self._thread = threading.Thread(target=self._run, name="engramdb-warm", daemon=True)
             self._thread.start()
             return True
@@ -339,6 +341,7 @@ class BackgroundWarm:
                         have = range_residency(addr, n)
                         missing = -(-n // PAGE) - have
                         if missing:
+                            self.reading = True
                             if meminfo().get("MemAvailable", 0) < self.margin:
                                 self._finish("cancelled", "memory pressure")
                                 return

@@ -39,10 +39,10 @@ from engramdb.io import Backend, make_backend
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision, take_one
 from engramdb.io.mapping import ShardMapping
-from engramdb.io.residency import resident_count
+from engramdb.io.residency import mapped_count, resident_count
 from engramdb.io.select import AutoBackend
 from engramdb.io.tiers import MappedTiers, parse_budget
-from engramdb.layouts.geometry import TableGeometry
+from engramdb.layouts.geometry import PAGE, TableGeometry
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.attached import SourceSegments
 from engramdb.read.cache import BufferPool, RowCache
@@ -202,6 +202,7 @@ class LocalTable(RowTable):
                 self._auto.warming = lambda: warm.running
                 if self._auto.serve_mapped:
                     self._auto.on_slow_mapped = self._tiers.warm_once
+                    self._auto.on_mapped = self._first_mapped
         self._split = SplitDecision()
         self._heads_u64 = self.heads.astype(np.uint64)
         self._pool = BufferPool()
@@ -345,9 +346,12 @@ class LocalTable(RowTable):
         return self._mmap_only and self._backend is not None
 
     def warming(self) -> bool:
-        """Whether the table's background warm pass is reading it now (attribute reads)."""
+        """Whether the table's background warm pass is reading it from the device now
+        (attribute reads): a pass over a table already in the page cache (after ``engramdb
+        warm`` in another process) only fills this process's page tables, and rows sampled
+        resident then are resident."""
         t = self._tiers
-        return t is not None and t.warm.running
+        return t is not None and t.warm.running and t.warm.reading
 
     def resident_state(self) -> bool:
         """Whether the `auto` read rule last saw this table's pages resident (its mapped
@@ -804,6 +808,23 @@ class LocalTable(RowTable):
             self._auto.recheck_soon()
         if self._segments is not None:
             self._segments.record.start_spill()
+
+    def _first_mapped(self) -> None:
+        """The read rule first found this table's pages resident: if this process maps
+        fewer than half of 64 spread pages of them (`mapped_count`: the table was warmed by
+        another process, e.g. ``engramdb warm``), start the background pass, which then only
+        fills the page tables (no device read), so gathers stop taking a minor fault per new
+        page (~15 a step at B=8 here, each a few us) long before random reads would have
+        touched every page."""
+        t = self._tiers
+        if t is None or t.warm.state != "idle" or not t.background or not t.fits:
+            return
+        pages = max(1, t.length // PAGE)
+        k = min(64, pages)
+        addrs = [t.base + (i * (pages - 1) // max(1, k - 1)) * PAGE for i in range(k)]
+        have = mapped_count(addrs)
+        if have is not None and 2 * have < k:
+            t.warm_once()
 
     def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
         """Fault the whole table into the page tables (``MADV_POPULATE_READ``): reads it from
