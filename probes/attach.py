@@ -136,7 +136,7 @@ def resident_of(st: Any) -> tuple[str, float]:
     seg = st._segments
     if seg is None:
         return "-", 0.0
-    return seg.resident_state, seg.resident_seconds
+    return seg.record.state, seg.record.seconds
 
 
 def cold_child(db: str, table: str, seed: int) -> None:
@@ -152,7 +152,7 @@ def cold_child(db: str, table: str, seed: int) -> None:
         seg = st._segments
         t0 = time.perf_counter()
         if seg is not None:
-            seg.wait_resident()
+            seg.record.wait()
         load_s = time.perf_counter() - t0
         st._mapping.advise(MADV_DONTNEED)
         for p in table_files(st):

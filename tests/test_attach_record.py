@@ -133,7 +133,7 @@ def test_rows_through_the_record_equal_the_tensors(
         assert np.array_equal(st.fetch(np.array([0, n - 1])), want[[0, -1]])
     with engramdb.open(db, backend="preadv") as d:
         st = d["t"]
-        seg_of(st).wait_resident(30)
+        seg_of(st).record.wait(30)
         evict(str(src))
         ids = rng.integers(0, n, (3, 500))
         assert np.array_equal(st.fetch(ids), want[ids])  # cold: reads + the record
@@ -176,14 +176,14 @@ def test_a_cold_table_fills_its_spill_only_once_resident(
     with engramdb.open(db, backend="preadv") as d:
         st = d["t"]
         seg = seg_of(st)
-        assert seg.wait_resident(30)
+        assert seg.record.wait(30)
         assert seg.record.spill_state == "idle"  # not read from the device for it
         st.populate()
         assert seg.record.spill_state == "ready"
     # a table already in the page cache fills it as it loads the scale
     with engramdb.open(db, backend="mmap") as d:
         seg = seg_of(d["t"])
-        assert seg.wait_resident(30)
+        assert seg.record.wait(30)
         assert seg.record.spill_state == "ready"
 
 
@@ -212,7 +212,7 @@ def test_truncated_before_the_fill_fails_the_fill_not_the_reads(
         st = d["t"]
         seg = seg_of(st)
         evict(str(src))  # the load leaves the spill to later
-        assert seg.wait_resident(30) and seg.record.spill_state == "idle"
+        assert seg.record.wait(30) and seg.record.spill_state == "idle"
         with open(src, "r+b") as f:
             f.truncate(8192)
         seg.record.fill_spill()

@@ -28,8 +28,8 @@ def segments_need(db: Path) -> int:
     """Bytes of record a table of ``db`` holds once loaded."""
     with engramdb.open(db, backend="preadv") as d:
         seg = segments(d["t"])
-        assert seg.wait_resident(30)
-        return seg.resident_bytes
+        assert seg.record.wait(30)
+        return seg.record.nbytes
 
 
 def segments(st: Any) -> att.SourceSegments:
@@ -58,13 +58,13 @@ def test_resident_scale_column_every_backend(
     with engramdb.open(db, backend=backend) as d:
         st = d["t"]
         seg = segments(st)
-        assert seg.resident_state == "idle"  # nothing is read at open
+        assert seg.record.state == "idle"  # nothing is read at open
         assert st.fetch(np.arange(3)).tobytes() == want[:3].tobytes()
-        assert seg.wait_resident(30) and seg.resident_state == "ready"
+        assert seg.record.wait(30) and seg.record.state == "ready"
         # the 8 B scale column, not the weight (plus the weight rows' bytes on a cache line
         # of their own: tests/test_attach_record.py)
         spill = seg.record.spill
-        assert seg.resident_bytes == n * (8 + (spill[1] if spill else 0))
+        assert seg.record.nbytes == n * (8 + (spill[1] if spill else 0))
         ((_, width),) = [(c.start, c.width) for c in seg.columns if c.resident is not None]
         assert width == 8
         for size in (1, 5, att.CHUNK_ROWS - 1, att.CHUNK_ROWS + 1, 2 * att.CHUNK_ROWS + 301):
@@ -80,7 +80,7 @@ def test_resident_scale_column_every_backend(
         out = np.empty((2, 700, 264), np.uint8)
         st.fetch_into(ids[:2], out)
         assert np.array_equal(out, want[ids[:2]])
-    assert seg.resident_state == "closed" and seg.resident_bytes == 0
+    assert seg.record.state == "closed" and seg.record.nbytes == 0
 
 
 def test_unaligned_output_and_fill_after_reads(
@@ -91,7 +91,7 @@ def test_unaligned_output_and_fill_after_reads(
     with engramdb.open(db, backend="preadv") as d:
         st = d["t"]
         seg = segments(st)
-        seg.wait_resident(30)
+        seg.record.wait(30)
         ids = rng.integers(0, n, 3000)
         buf = np.empty(3000 * 264 + 1, np.uint8)
         out = buf[1:].reshape(3000, 264)  # not 8-byte aligned: still exact
@@ -118,8 +118,8 @@ def test_budget_off_reads_sources_and_is_released(
     with engramdb.open(db) as d:
         st = d["t"]
         seg = segments(st)
-        assert not seg.wait_resident(5)
-        assert seg.resident_state.startswith("over budget")
+        assert not seg.record.wait(5)
+        assert seg.record.state.startswith("over budget")
         st.populate()
         assert np.array_equal(st.fetch(ids), want[ids])
         plan = seg.plan(np.unique(ids))
@@ -129,12 +129,12 @@ def test_budget_off_reads_sources_and_is_released(
     monkeypatch.setenv(att.RESIDENT_ENV, str(resident.resident_used() + need))
     with engramdb.open(db) as d1, engramdb.open(db) as d2:
         a, b = segments(d1["t"]), segments(d2["t"])
-        assert a.wait_resident(30)
-        assert not b.wait_resident(5) and b.resident_state.startswith("over budget")
+        assert a.record.wait(30)
+        assert not b.record.wait(5) and b.record.state.startswith("over budget")
         assert np.array_equal(d2["t"].fetch(ids), want[ids])
         d1.close()  # releases its share: the next table fits
         with engramdb.open(db) as d3:
-            assert segments(d3["t"]).wait_resident(30)
+            assert segments(d3["t"]).record.wait(30)
     monkeypatch.setenv(att.RESIDENT_ENV, "lots")
     with pytest.raises(InvalidArgument, match=att.RESIDENT_ENV):
         att.resident_budget()
@@ -148,7 +148,7 @@ def test_truncation_with_resident_scale_still_raises(
     with engramdb.open(db, backend="mmap") as d:
         st = d["t"]
         st.populate()
-        assert segments(st).resident_state == "ready"
+        assert segments(st).record.state == "ready"
         with open(src, "r+b") as f:
             f.truncate(4096)
         with pytest.raises(TruncatedFile, match="truncated while open") as e:
@@ -166,11 +166,11 @@ def test_truncated_before_load_fails_the_load_not_the_process(
         seg = segments(st)
         with open(src, "r+b") as f:
             f.truncate(8192)
-        assert not seg.wait_resident(30)
-        assert seg.resident_state.startswith("failed") and src in seg.resident_state
+        assert not seg.record.wait(30)
+        assert seg.record.state.startswith("failed") and src in seg.record.state
         with pytest.raises(TruncatedFile, match="truncated while open"):
             st.fetch(np.array([5]))
-    assert seg.resident_bytes == 0
+    assert seg.record.nbytes == 0
 
 
 def gemma_checkpoint(root: Path, rng: np.random.Generator, layers: int = 3) -> np.ndarray:

@@ -127,7 +127,7 @@ def test_attached_column_split_rows_with_and_without_it(
         st = d["t"]
         for resident in (False, True):
             if resident:
-                assert st._segments.wait_resident(30)
+                assert st._segments.record.wait(30)
             for size in (1, 16, 2049, 5000):
                 ids = rng.integers(0, 6000, size)
                 assert np.array_equal(st.fetch(ids), want[ids]), (resident, size)

@@ -16,7 +16,15 @@ import os
 from engramdb.io.mapping import LIBC
 from engramdb.layouts.geometry import PAGE
 
-__all__ = ["mapped_count", "resident_count"]
+__all__ = ["mapped_count", "resident_count", "spread_pages"]
+
+
+def spread_pages(base: int, length: int, samples: int) -> list[int]:
+    """Addresses of up to ``samples`` evenly spread pages of ``[base, base + length)`` (the
+    first and the last page among them); none for an empty range."""
+    pages = -(-length // PAGE)
+    k = min(samples, pages)
+    return [base + (i * (pages - 1) // max(1, k - 1)) * PAGE for i in range(k)]
 
 
 def resident_count(addresses: list[int]) -> int:

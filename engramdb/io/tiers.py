@@ -40,7 +40,7 @@ from engramdb.io.mapping import (
     range_pages,
     unmap_range,
 )
-from engramdb.io.residency import resident_count
+from engramdb.io.residency import resident_count, spread_pages
 from engramdb.layouts.geometry import PAGE
 from engramdb.units import parse_size
 
@@ -470,12 +470,8 @@ class MappedTiers:
     def sampled_residency(self, samples: int = 256) -> float:
         """Share of ``samples`` evenly spread pages of the table in the page cache (one
         ``mincore`` each: ~0.5 ms for 256, whatever the table's size)."""
-        pages = -(-self.length // PAGE)
-        if pages == 0:
-            return 1.0
-        k = min(samples, pages)
-        addrs = [self.base + (i * (pages - 1) // max(1, k - 1)) * PAGE for i in range(k)]
-        return resident_count(addrs) / k
+        addrs = spread_pages(self.base, self.length, samples)
+        return resident_count(addrs) / len(addrs) if addrs else 1.0
 
     def _fits(self) -> bool:
         """Whether the table's non-resident bytes fit the budget: no page looked at when the

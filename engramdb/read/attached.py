@@ -233,27 +233,6 @@ class SourceSegments:
         base = int(self.files[f].ctypes.data)
         return self._fds[f], lo, hi - lo, base + lo
 
-    @property
-    def resident_state(self) -> str:
-        """The record's: ``off``, ``idle``, ``loading``, ``ready``, or why not."""
-        return self.record.state
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.record.nbytes
-
-    @property
-    def resident_seconds(self) -> float:
-        return self.record.seconds
-
-    def start_resident(self) -> None:
-        """Start loading the narrow columns into RAM (`ResidentRecord.start`)."""
-        self.record.start()
-
-    def wait_resident(self, timeout: float | None = None) -> bool:
-        """Start the load if idle and wait for it; whether the narrow columns are resident."""
-        return self.record.wait(timeout)
-
     def _wide_resident(self) -> bool:
         """Whether >= 99 % of the wide column's pages are in the page cache (``mincore``)."""
         wr = self._wide_run
@@ -264,9 +243,8 @@ class SourceSegments:
 
     def fill_resident(self, flat: np.ndarray, out2d: np.ndarray) -> None:
         """Write the resident columns of validated ids ``flat`` into ``out2d`` (after the
-        reads of a `plan`, which leaves them out)."""
-        if self.record.state == "ready":
-            self.record.fill(flat, out2d)
+        reads of a `plan`, which leaves them out; nothing until the record is loaded)."""
+        self.record.fill(flat, out2d)
 
     # -- reads ------------------------------------------------------------------------------
     def guard(self, files: list[int] | None = None) -> None:
@@ -304,7 +282,7 @@ class SourceSegments:
             self.guard(self._single_file)
             self._split.take(self.single, flat, out2d)
             return
-        self.start_resident()
+        self.record.start()
         runs = [c.runs_of(flat) for c in self.columns]
         self.guard(sorted({f for c, r in zip(self.columns, runs) for f in c.files_of(r)}))
         if len(self.columns) == 1:
@@ -360,8 +338,7 @@ class SourceSegments:
                 t = buf[: b - a]
                 c.take(ids, t, None if r is None else r[a:b])
                 dst[a:b] = t.reshape(-1).view(dst.dtype)
-        if self.record.array is not None:
-            self.record.fill(flat[lo:hi], out2d[lo:hi])
+        self.record.fill(flat[lo:hi], out2d[lo:hi])  # the columns in RAM, once loaded
 
     def _gather_specs(self) -> list[Spec]:
         """The compiled gather's column specs (`ResidentRecord.specs`), rebuilt when the
@@ -432,8 +409,8 @@ class SourceSegments:
         (columns adjacent in one file merged), landing at ``i * row_bytes + column start``
         of the scratch, so `assemble` puts rows back as for a built table; the caller then
         calls `fill_resident` for the columns left out."""
-        self.start_resident()
-        ready = self.resident_state == "ready"  # stays so until close
+        self.record.start()
+        ready = self.record.state == "ready"  # stays so until close
         uniq, inverse = np.unique(flat, return_inverse=True)
         inverse = inverse.reshape(-1).astype(np.int64, copy=False)
         u = uniq.size
@@ -489,7 +466,7 @@ class SourceSegments:
         64 MiB; two threads interleaving one file's chunks would leave 4 KiB page-cache
         folios), up to ``threads`` files at once."""
         self.guard()
-        self.wait_resident()
+        self.record.wait()
         per_file: dict[int, list[tuple[int, int]]] = {}
         for a, n in sorted(self._ranges()):
             key = next((m for m, span in self._maps if m <= a < m + span), a)

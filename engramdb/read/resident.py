@@ -53,8 +53,7 @@ __all__ = [
     "SPILL_ENV",
     "Piece",
     "ResidentRecord",
-    "fill_column",
-    "fill_spill",
+    "copy_rows",
     "layout",
     "resident_budget",
     "spec_list",
@@ -139,46 +138,29 @@ FILL_BYTES = 8 << 20
 FILL_CHUNK = 2048
 
 
-def fill_column(
-    record: np.ndarray,
-    piece: Piece,
-    runs: list[tuple[int, int, int, int]],
-    pread: Pread,
-    check: Check,
-) -> None:
-    """Copy a narrow column into its piece of the record: ``runs`` its ``(file, offset,
-    first row, rows)``, read sequentially in reads of `FILL_BYTES`."""
-    w = piece.width
-    buf = np.empty((max(1, FILL_BYTES // w), w), np.uint8)
-    k = buf.shape[0]
-    for file, offset, first, rows in runs:
-        for lo in range(0, rows, k):
-            check()
-            n = min(k, rows - lo)
-            pread(file, buf[:n], offset + lo * w)
-            record[first + lo : first + lo + n, piece.rec : piece.rec + w] = buf[:n]
-
-
-def fill_spill(
+def copy_rows(
     record: np.ndarray,
     piece: Piece,
     file: int,
     offset: int,
+    first: int,
+    rows: int,
     width: int,
     pread: Pread,
     check: Check,
 ) -> None:
-    """Copy the last ``piece.width`` bytes of each wide row into the record: the wide column
-    is one run of ``width``-byte rows at ``offset`` of ``file``, read sequentially in reads
-    of `FILL_BYTES` (from the page cache: the caller fills only a resident column)."""
+    """Copy the last ``piece.width`` bytes of each of ``rows`` rows of ``width`` bytes (all of
+    a narrow column's row; a wide row's spill) into the record's piece from record row
+    ``first`` on: the rows lie back to back at ``offset`` of ``file`` and are read
+    sequentially in reads of `FILL_BYTES` (``check`` between reads)."""
     s = piece.width
     buf = np.empty((max(1, FILL_BYTES // width), width), np.uint8)
     k = buf.shape[0]
-    for lo in range(0, record.shape[0], k):
+    for lo in range(0, rows, k):
         check()
-        n = min(k, record.shape[0] - lo)
+        n = min(k, rows - lo)
         pread(file, buf[:n], offset + lo * width)
-        record[lo : lo + n, piece.rec : piece.rec + s] = buf[:n, width - s :]
+        record[first + lo : first + lo + n, piece.rec : piece.rec + s] = buf[:n, width - s :]
 
 
 # -- the process-wide budget ----------------------------------------------------------------
@@ -256,7 +238,7 @@ class ResidentRecord:
         self.n_rows = n_rows
         self.narrow = narrow
         self.wide = wide
-        self._pread = pread
+        self._io = (pread, self._check_open)  # copy_rows' reader and its closed check
         self._wide_resident = wide_resident
         #: ``(dst, bytes)`` of each wide row kept beside the narrow columns, or None.
         keep = bool(narrow) and os.environ.get(SPILL_ENV, "").strip() != "0"
@@ -331,11 +313,9 @@ class ResidentRecord:
             for p in self.pieces:
                 if p.column >= 0:
                     c = self.narrow[p.column]
-                    runs = [
-                        (int(c.file[r]), int(c.offset[r]), int(c.first[r]), a.shape[0])
-                        for r, a in enumerate(c.arrays)
-                    ]
-                    fill_column(rec, p, runs, self._pread, self._check_open)
+                    for r, a in enumerate(c.arrays):  # a loop over runs, not rows
+                        f, off, first = int(c.file[r]), int(c.offset[r]), int(c.first[r])
+                        copy_rows(rec, p, f, off, first, a.shape[0], c.width, *self._io)
         except Exception as e:  # the columns stay read from their sources (which guard)
             if self._release is not None:
                 self._release()
@@ -375,7 +355,7 @@ class ResidentRecord:
             self.spill_state = "filling"
         try:
             f, off = int(wide.file[0]), int(wide.offset[0])
-            fill_spill(rec, pieces[0], f, off, wide.width, self._pread, self._check_open)
+            copy_rows(rec, pieces[0], f, off, 0, self.n_rows, wide.width, *self._io)
         except Exception as e:  # gathers keep reading the wide rows whole
             self.spill_state = "closed" if self._stop else f"failed: {e}"
             return

@@ -39,10 +39,10 @@ from engramdb.io import Backend, make_backend
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision, take_one
 from engramdb.io.mapping import ShardMapping
-from engramdb.io.residency import mapped_count, resident_count
+from engramdb.io.residency import mapped_count, resident_count, spread_pages
 from engramdb.io.select import AutoBackend
 from engramdb.io.tiers import MappedTiers, parse_budget
-from engramdb.layouts.geometry import PAGE, TableGeometry
+from engramdb.layouts.geometry import TableGeometry
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.attached import SourceSegments
 from engramdb.read.cache import BufferPool, RowCache
@@ -819,11 +819,9 @@ class LocalTable(RowTable):
         t = self._tiers
         if t is None or t.warm.state != "idle" or not t.background or not t.fits:
             return
-        pages = max(1, t.length // PAGE)
-        k = min(64, pages)
-        addrs = [t.base + (i * (pages - 1) // max(1, k - 1)) * PAGE for i in range(k)]
+        addrs = spread_pages(t.base, t.length, 64)
         have = mapped_count(addrs)
-        if have is not None and 2 * have < k:
+        if have is not None and 2 * have < len(addrs):
             t.warm_once()
 
     def populate(self, *, threads: int = 2, progress: Callable[[int], None] | None = None) -> None:
