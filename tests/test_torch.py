@@ -533,6 +533,17 @@ def test_resident_forward_gathers_with_torch_and_checks_the_source(  # type: ign
                 m(torch.tensor([[bad]]))
         with pytest.raises(ShapeMismatch):  # 6 ids a row, not the 3 heads' (6 = 2 x 3)
             m(torch.zeros((1, 1, 6), dtype=torch.int64))
+
+        def settle() -> None:
+            deadline = time.monotonic() + 10.0
+            while not st.mapped_state() and time.monotonic() < deadline:
+                # a gather above that really was slow (a loaded machine) moved the read rule
+                # off its mapped state: its next residency check brings it back
+                m(step)
+                time.sleep(0.01)
+            assert st.mapped_state()
+
+        settle()  # the forced-slow gather below must take the mapped path
         seen = []
         real = st.note_mapped_gather
         st.note_mapped_gather = lambda rows, s: (seen.append(rows), real(rows, s))  # type: ignore[method-assign]
@@ -540,13 +551,7 @@ def test_resident_forward_gathers_with_torch_and_checks_the_source(  # type: ign
         m(step)
         assert seen == [step.numel()]
         m._slow_s = 10e-6
-        deadline = time.monotonic() + 10.0
-        while not st.mapped_state() and time.monotonic() < deadline:
-            # a gather above that really was slow (a loaded machine) moved the read rule
-            # off its mapped state: its next residency check brings it back
-            m(step)
-            time.sleep(0.01)
-        assert st.mapped_state()
+        settle()
         os.truncate(src, 100)
         before = m.served_mapped
         with pytest.raises(TruncatedFile, match="truncated while open"):
