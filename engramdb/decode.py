@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import EngramDBError, InvalidArgument, ShapeMismatch
+from engramdb.errors import EngramDBError, InvalidArgument, RowIdOutOfRange, ShapeMismatch
+from engramdb.io.columns import grid_taker
 from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.autorule import PrefetchRule
 from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
@@ -166,14 +167,16 @@ class Decoder:
         self._single = self.batch is None and len(self.stores) == 1
         self._last_out: np.ndarray | None = None
         self._last_out2d: np.ndarray | None = None
-        # The resident fast path of `fill` (`_fill_direct`): per layer the mapped table (None:
-        # a RAM tier, several source columns, or not local) and its read rule's mapped state.
+        # The resident fast paths of `fill` (`_fill_direct`, its one-layer one): per layer the
+        # mapped table (None: a RAM tier, several source columns, or not local), its read
+        # rule's mapped state, and for `_take_layer` (table, the byte offset of its slice in
+        # a buffer, the attached source's descriptor and size to check, or -1 and 0).
         self._fill_key: tuple[np.ndarray, int | None, list[np.ndarray]] | None = None
         self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
         self._direct: list[np.ndarray | None] = []
         self._mapped: list[Any] = []
-        self._guarded: list[bool] = []
-        for st in self._local:
+        self._quick: list[tuple[np.ndarray, int, int, int] | None] = []
+        for i, st in enumerate(self._local):
             tbl = None
             if st is not None and st.cache is None:
                 try:
@@ -182,7 +185,14 @@ class Decoder:
                     tbl = None
             self._direct.append(tbl)
             self._mapped.append(st.mapped_state if st is not None else None)
-            self._guarded.append(bool(st is not None and st.attached))
+            fd, size = (st.array_guard() if tbl is not None else None) or (-1, 0)  # type: ignore[union-attr]
+            at = i * self.n_heads * self.row_bytes
+            self._quick.append(None if tbl is None else (tbl, at, fd, size))
+        # the one-layer fast path's step buffer (the last one a step filled), its slices
+        self._quick_out: np.ndarray | None = None
+        self._quick_shaped: list[np.ndarray] = []
+        self._grid = grid_taker()
+        self._group_stride = len(self.stores) * self.n_heads * self.row_bytes
         #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
         #: ticket: no mapping, no page faults) / read here because their prefetch was still
@@ -407,6 +417,16 @@ class Decoder:
         layer's rows right before the layer runs, so later layers' reads overlap more
         compute)."""
         rows = self._rows
+        if out is self._quick_out and self._step_out is None and self._pending_t is None:
+            # A step's one-layer fill of the buffer the last step filled (a warm decode's
+            # every fill), the table mapped and served from the mapping, no prefetch: one
+            # `_take_layer` after a few tests (inside a model step, each call costs several
+            # times its cost in a loop)
+            j = self._slot_of.get(layer)  # type: ignore[arg-type]
+            if j is not None and rows is not None and self._quick[j] is not None:
+                if self._tickets[j] is None and self._mapped[j]():
+                    self._take_layer(out, j, rows[j], self._quick_shaped[j])
+                    return out
         if rows is None:
             raise InvalidArgument("fill() before push(): no pending step")
         if self._single and self._pending_t is None:
@@ -424,6 +444,8 @@ class Decoder:
                 lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
                 shaped = [out[lead + (i,)] for i in range(len(self.stores))]
             key = self._fill_key = (out, self._pending_t, shaped)
+            if self._pending_t is None:  # a step's buffer: the one-layer fast path may serve it
+                self._quick_out, self._quick_shaped = out, shaped
         if layer is None:
             which: range | tuple[int] = range(len(self.stores))
         else:
@@ -490,6 +512,34 @@ class Decoder:
                 v[...] = dest.reshape(v.shape)
         return out
 
+    def _take_layer(self, out: np.ndarray, i: int, r: np.ndarray, shaped: np.ndarray) -> None:
+        """Layer ``i``'s rows ``r`` from its mapped table into their slice ``shaped`` of
+        ``out``: one compiled gather (`grid_taker`) that first checks an attached source's
+        size (`LocalTable.array_guard`), else the table's own check and ``np.take``. A
+        gather slow enough to have faulted is reported to the read rule and the prefetch
+        rule."""
+        tbl, off, fd, size = self._quick[i]  # type: ignore[misc]
+        grid = self._grid
+        t0 = time.perf_counter()
+        bad = -2
+        if grid is not None:
+            rb, gs = self.row_bytes, self._group_stride
+            bad = grid(out, off, self.n_heads, gs, tbl, rb, r, True, fd, size)
+        if bad == -2:  # no compiled loop, or the source failed the check: raises TruncatedFile
+            if fd >= 0:
+                tbl = self.stores[i].array()  # type: ignore[attr-defined]
+            tbl.take(r, 0, shaped, "clip")
+        elif bad >= 0:  # never for keygen's ids (the table's rows were checked up front)
+            raise RowIdOutOfRange(f"row id {int(r.flat[bad])} out of range [0, {len(tbl)})")
+        dt = time.perf_counter() - t0
+        self.filled_rows[i], self.filled_out[i] = r, out
+        self.direct_fills += 1
+        if dt > 10e-6 * r.size:  # faults: a cold table, or a mapping not populated yet
+            self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
+            # prefetch for a while: the worker reads the rows (from the page cache when
+            # resident) and fills copy them, so this thread takes no faults
+            self.rule.faulted(i)
+
     def _fill_direct(
         self,
         out: np.ndarray,
@@ -518,30 +568,17 @@ class Decoder:
                     raise
             if t.state != DONE or t.rows is None:
                 return False
-        pc = time.perf_counter
         for i in which:
             r = rows[i]
-            self.filled_rows[i], self.filled_out[i] = r, out
             t = self._tickets[i]
             self._tickets[i] = None
             # the rows the prefetch read (kept on the ticket); a step ticket whose ids are not
             # this step's (never expected) falls through to a read from the mapping
             if t is not None and take_kept(t, r, shaped[i]):
+                self.filled_rows[i], self.filled_out[i] = r, out
                 self.kept_fills += 1
                 continue
-            tbl = tables[i]
-            assert tbl is not None
-            if self._guarded[i]:  # attached sources: the truncation check before each read
-                tbl = self.stores[i].array()  # type: ignore[attr-defined]
-            t0 = pc()
-            tbl.take(r, 0, shaped[i], "clip")
-            self.direct_fills += 1
-            dt = pc() - t0
-            if dt > 10e-6 * r.size:  # faults: a cold table, or a mapping not populated yet
-                self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
-                # prefetch for a while: the worker reads the rows (from the page cache when
-                # resident) and fills copy them, so this thread takes no faults
-                self.rule.faulted(i)
+            self._take_layer(out, i, r, shaped[i])
         return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:

@@ -587,6 +587,8 @@ def paired_steps(
             self.toks: list[np.ndarray] = []
             self.cpus: list[int] = []
             self.nxt: np.ndarray | None = None
+            self.feed_s = 0.0
+            self.look_s = 0.0
 
         def enter(self) -> None:
             for lay in ENGRAM_AFTER:
@@ -594,9 +596,21 @@ def paired_steps(
                     model.set_table(lay, self.tables[lay])
                     self.wrapped[lay] = model.engram[str(lay)].multi_head_embedding
                 model.engram[str(lay)].multi_head_embedding = self.wrapped[lay]
-            model.before_layer = None if self.dec is None else fill_layer
+            model.before_layer = None if self.dec is None else self.timed_fill
+
+        def timed_fill(self, lay: int) -> None:
+            t0 = time.perf_counter()
+            fill_layer(lay)
+            Clock.add("fill", time.perf_counter() - t0)
 
         def feed(self, col: np.ndarray) -> dict[int, Any]:
+            t0 = time.perf_counter()
+            try:
+                return self._feed(col)
+            finally:
+                self.feed_s += time.perf_counter() - t0
+
+        def _feed(self, col: np.ndarray) -> dict[int, Any]:
             d = self.dec
             if d is not None:
                 rows = d.push(col[:, 0]) if col.shape[1] == 1 else d.prefill(col)
@@ -627,10 +641,12 @@ def paired_steps(
             for _ in range(n):
                 assert self.nxt is not None
                 self.toks.append(self.nxt.copy())
+                Clock.total = 0.0
                 t0 = time.perf_counter()
                 col = self.nxt.reshape(-1, 1)
                 self.nxt = model(torch.from_numpy(col), self.feed(col)).numpy()
                 total += time.perf_counter() - t0
+                self.look_s += Clock.total
                 self.cpus.append(current_cpu())
             return total
 
@@ -662,6 +678,11 @@ def paired_steps(
         "paired_tokens_identical": not diff and len(ram.toks) == len(arm.toks),
         "paired_first_difference": first,
         "arm_cpus": arm.cpus,
+        # per step, [in-RAM, arm]: the ids' keygen (or the decoder's push), the table calls
+        # inside the forward (module forwards, fills), and the whole step
+        "paired_feed_us": [x.feed_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
+        "paired_lookup_us": [x.look_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
+        "paired_step_us": [t * 1e6 / max(1, blocks * PAIR_BLOCK) for t in (t_ram, t_arm)],
     }
 
 
@@ -1080,6 +1101,15 @@ def run_batch(
                     if d
                 )
             )
+            gaps = []
+            for p in ps:  # where the arm's extra time a step went
+                (fr, fa), (lr, la) = p["paired_feed_us"], p["paired_lookup_us"]
+                sr, sa = p["paired_step_us"]
+                gaps.append(
+                    f"{sa - sr:+.0f} = feed {fa - fr:+.0f} + table calls {la - lr:+.0f} + rest "
+                    f"{(sa - fa - la) - (sr - fr - lr):+.0f}"
+                )
+            print("                        arm - in-RAM per step (us): " + "; ".join(gaps))
     base = arms[0]
     for warm_arm in ("warm:module", "warm:gpu:module"):
         warm = rows.get(warm_arm)

@@ -329,3 +329,72 @@ def test_globalizer_checks_and_offsets_ids_in_place(rng: np.random.Generator) ->
     assert not to_global(edge.ctypes.data, 6, bounds, offs, out)
     with pytest.raises(TypeError):  # out must be writable
         to_global(edge.ctypes.data, 6, bounds, offs, bytes(48))
+
+
+@native
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_grid_take_writes_runs_of_rows_into_a_layer_slice(
+    prefetch: bool, rng: np.random.Generator
+) -> None:
+    """`grid_taker`: row i of ids goes to ``offset + (i // group) * stride + (i % group) *
+    width`` of ``out``: layer 1 of a ``[B, L, H, rb]`` buffer equals ``table[ids]`` there,
+    and every other byte is left alone."""
+    take = columns.grid_taker()
+    assert take is not None
+    table = rng.integers(0, 256, (3000, 40), dtype=np.uint8)
+    b, n_l, h = 5, 3, 4
+    ids = rng.integers(0, 3000, b * h).astype(np.int64)
+    out = np.full((b, n_l, h, 40), 7, np.uint8)
+    assert take(out, 1 * h * 40, h, n_l * h * 40, table, 40, ids, prefetch) == -1
+    assert np.array_equal(out[:, 1], table[ids].reshape(b, h, 40))
+    assert (out[:, [0, 2]] == 7).all()
+    ids[9] = 3000  # past the table: its position; rows before it written, none after
+    out[...] = 7
+    assert take(out, 0, h, n_l * h * 40, table, 40, ids, prefetch) == 9
+    assert np.array_equal(out[:2, 0].reshape(-1, 40), table[ids[:8]])
+    assert np.array_equal(out[2, 0, 0], table[ids[8]])
+    assert (out[2, 0, 1:] == 7).all() and (out[3:] == 7).all()
+
+
+@native
+def test_grid_take_refuses_places_outside_the_output(rng: np.random.Generator) -> None:
+    take = columns.grid_taker()
+    assert take is not None
+    table = rng.integers(0, 256, (100, 8), dtype=np.uint8)
+    out = np.zeros((3, 2, 4, 8), np.uint8)
+    ids = np.arange(12, dtype=np.int64)
+    with pytest.raises(ValueError, match="out of 192 bytes"):
+        take(out, 33, 4, 64, table, 8, ids)  # the last run would end past the buffer
+    with pytest.raises(ValueError):
+        take(out, 0, 4, 31, table, 8, ids)  # runs closer than a run's bytes
+    with pytest.raises(ValueError):
+        take(out, 0, 5, 64, table, 8, ids)  # not a whole number of runs
+    assert not out.any()
+
+
+@native
+def test_grid_take_checks_a_sources_size_before_reading(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """With ``fd``, the file must still hold ``min_size`` bytes: -2 and nothing written when
+    it is shorter (truncated) or the descriptor cannot be sought."""
+    take = columns.grid_taker()
+    assert take is not None
+    table = rng.integers(0, 256, (64, 16), dtype=np.uint8)
+    path = tmp_path / "src.bin"
+    table.tofile(path)
+    ids = np.array([3, 60, 0, 17], np.int64)
+    out = np.zeros((4, 16), np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert take(out, 0, 4, 64, table, 16, ids, True, fd, table.nbytes) == -1
+        assert np.array_equal(out, table[ids])
+        out[...] = 0
+        os.truncate(path, table.nbytes - 1)
+        assert take(out, 0, 4, 64, table, 16, ids, True, fd, table.nbytes) == -2
+        assert not out.any()
+    finally:
+        os.close(fd)
+    no_fd = 1 << 30  # past any descriptor table: lseek fails
+    assert take(out, 0, 4, 64, table, 16, ids, True, no_fd, table.nbytes) == -2
+    assert not out.any()

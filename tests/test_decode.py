@@ -517,3 +517,97 @@ def test_a_residency_sample_spreads_over_positions_not_one_head(
         if st.rows_resident(ids[:, 1:].reshape(-1)):
             pytest.skip("this filesystem does not drop cached pages on request")
         assert not st.rows_resident(ids.reshape(-1))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_layer_fills_of_a_step_buffer_take_the_quick_path(
+    tmp_path: Path,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+    compiled: bool,
+    batch: int | None,
+) -> None:
+    """Once a step buffer has been filled, each one-layer fill of a resident table without a
+    prefetch is one gather into the layer's slice (`Decoder._take_layer`; compiled, or
+    ``np.take`` without the loop), the attached source's size checked first: bytes equal to
+    the sources, the general path not taken, and a source truncated under it raises
+    `TruncatedFile` naming that file (the other layer still fills)."""
+    h = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {}
+    for lay in h.layers:
+        fulls[lay] = np.random.default_rng(lay).integers(
+            0, 256, (h.table_rows(lay), 160), dtype=np.uint8
+        )
+        fulls[lay].tofile(tmp_path / f"rows{lay}.bin")
+        engramdb.attach(tmp_path / "db", f"e{lay}", [tmp_path / f"rows{lay}.bin"], row_bytes=160)
+    seqs = 1 if batch is None else batch
+    toks = tokens(rng, (seqs, 30))
+    with engramdb.open(tmp_path / "db", background_warm=False) as db:
+        for lay in h.layers:
+            db[f"e{lay}"].populate()
+        dec = Decoder({lay: db[f"e{lay}"] for lay in h.layers}, h, batch=batch, prefetch=False)
+        if not compiled:
+            dec._grid = None
+        out = np.empty(dec.out_shape, np.uint8)
+
+        def step(t: int) -> None:
+            dec.push(int(toks[0, t]) if batch is None else toks[:, t])
+            for lay in h.layers:
+                dec.fill(out, layer=lay)
+
+        step(0)  # the buffer's first fill: the general path
+        general = []
+        monkeypatch.setattr(dec, "_fill_direct", lambda *a: general.append(a) or False)
+        before = dec.direct_fills
+        for t in range(1, 25):
+            step(t)
+            for i, lay in enumerate(h.layers):
+                want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]  # [S, H, rb]
+                got = out[:, i] if batch is not None else out[i][None]
+                assert np.array_equal(got, want), f"step {t} layer {lay}"
+        assert general == [] and dec.direct_fills - before == 2 * 24
+        monkeypatch.undo()
+        os.truncate(tmp_path / "rows5.bin", 4096)
+        dec.push(int(toks[0, 25]) if batch is None else toks[:, 25])
+        dec.fill(out, layer=2)
+        want = fulls[2][h.row_ids(toks[:, :26], layer=2)[:, -1]]
+        assert np.array_equal(out[:, 0] if batch is not None else out[0][None], want)
+        with pytest.raises(TruncatedFile, match="rows5.bin"):
+            dec.fill(out, layer=5)
+
+
+def test_a_faulting_fill_ends_the_rules_quiet_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefetch judged off, no recheck due and the read rule cleanly mapped: a push asks the
+    table nothing (the rule's quiet window) until a fill reports faults (`faulted`), after
+    which the next push prefetches."""
+    h = small_qwen()
+    build_for(tmp_path, h, 2, "ple", 5)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        s = db["ple"]
+        s.populate()
+        dec = Decoder(s, h, auto_recheck_s=3600.0)
+        out = np.empty(dec.out_shape, np.uint8)
+        for _ in range(20):  # the read rule goes mapped (a busy machine may make it suspect)
+            s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
+            if s.mapped_state():
+                break
+            time.sleep(0.3)
+        else:
+            pytest.skip("the read rule did not reach its mapped state")
+        dec.push(1)
+        dec.fill(out)
+        if dec.prefetched or not s.mapped_state():
+            pytest.skip("the populated table was not resident (memory pressure)")
+        asked: list[int] = []
+        monkeypatch.setattr(s, "warming", lambda: asked.append(1) or False)
+        for t in range(2, 8):
+            dec.push(t)
+            dec.fill(out)
+        assert asked == [] and dec.prefetched == 0
+        dec.rule.faulted(0)
+        dec.push(9)
+        assert dec.prefetched == 1 and asked == [1]
+        dec.fill(out)

@@ -16,6 +16,8 @@
  * an attached row's weight bytes less those kept in a RAM record, and that record's pieces
  * (engramdb.read.resident); columns of one source are copied in one pass.
  *
+ * take_grid: take_rows into runs of rows a fixed stride apart (a decoder's layer slice).
+ *
  * in_heads: a decode step's per-head bounds check of ids at a tensor's address; global_ids:
  * that check and the ids' global rows in one pass; rows_match: whether such ids are exactly
  * the global rows a decoder filled.
@@ -26,6 +28,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MAX_COLUMNS 8
 #define AHEAD 32 /* rows ahead whose source lines are prefetched */
@@ -247,6 +250,83 @@ fail:
     return NULL;
 }
 
+/* take_grid(out, offset, group, group_stride, table, width, ids, prefetch=True, fd=-1,
+ * min_size=0) -> -1 when every id was in range, else the position of the first id out of
+ * range (rows before it are written), or -2 (nothing read) when fd >= 0 and the file it
+ * names now ends before min_size or cannot be sought: the mapped source of an attached table
+ * checked before its mapping is read (a read past a truncated file's end raises SIGBUS);
+ * the caller's own check then names the error. take_rows into a grid of rows: row i goes to byte offset + (i / group) *
+ * group_stride + (i % group) * width of out, so runs of group rows lie back to back and the
+ * runs group_stride bytes apart: a decoder's layer slice [B, H, rb] of its [B, L, H, rb]
+ * buffer, where np.take, which needs a contiguous out, gathers into a temporary and copies.
+ *   out:   writable C-contiguous buffer holding every row's place (checked)
+ *   table: C-contiguous buffer of rows * width bytes
+ *   ids:   C-contiguous buffer of int64 row ids, a whole number of groups */
+static PyObject *take_grid(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *table_obj, *ids_obj;
+    Py_ssize_t offset, group, gstride, width;
+    int prefetch = 1, fd = -1;
+    long long min_size = 0;
+    if (!PyArg_ParseTuple(args, "OnnnOnO|piL", &out_obj, &offset, &group, &gstride, &table_obj,
+                          &width, &ids_obj, &prefetch, &fd, &min_size))
+        return NULL;
+    Py_buffer views[3];
+    int held = 0;
+    if (PyObject_GetBuffer(table_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    held++;
+    if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    held++;
+    if (PyObject_GetBuffer(out_obj, &views[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto fail;
+    held++;
+    Py_ssize_t n = views[1].len / 8;
+    if (width <= 0 || group <= 0 || offset < 0 || views[0].len % width != 0 ||
+        views[1].len % 8 != 0 || n % group != 0 || gstride < group * width ||
+        (n > 0 && offset + (n / group - 1) * gstride + group * width > views[2].len)) {
+        PyErr_Format(PyExc_ValueError,
+                     "grid of %zd ids in groups of %zd, %zd-byte rows %zd apart from %zd: out "
+                     "of %zd bytes, table of %zd",
+                     n, group, width, gstride, offset, views[2].len, views[0].len);
+        goto fail;
+    }
+    Py_ssize_t bad = -1;
+    if (fd >= 0) {
+        off_t end = lseek(fd, 0, SEEK_END);
+        if (end < 0 || (long long)end < min_size) {
+            release_all(views, held);
+            return PyLong_FromLong(-2);
+        }
+    }
+    {
+        const uint8_t *base = (const uint8_t *)views[0].buf;
+        const int64_t *ids = (const int64_t *)views[1].buf;
+        uint8_t *dst = (uint8_t *)views[2].buf + offset;
+        Py_ssize_t rows = views[0].len / width, w = width;
+        Py_ssize_t first = n < AHEAD ? n : AHEAD;
+        if (prefetch)
+            for (Py_ssize_t i = 0; i < first; i++)
+                if ((uint64_t)ids[i] < (uint64_t)rows) prefetch_src(base + ids[i] * w, w);
+        for (Py_ssize_t i = 0, k = 0; i < n; i++) {
+            if (prefetch && i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows)
+                prefetch_src(base + ids[i + AHEAD] * w, w);
+            if ((uint64_t)ids[i] >= (uint64_t)rows) {
+                bad = i;
+                break;
+            }
+            memcpy(dst + k * w, base + ids[i] * w, (size_t)w);
+            if (++k == group) {
+                k = 0;
+                dst += gstride;
+            }
+        }
+    }
+    release_all(views, held);
+    return PyLong_FromSsize_t(bad);
+fail:
+    release_all(views, held);
+    return NULL;
+}
+
 /* in_heads(address, n, bounds) -> whether each of the n int64 ids at address is below its
  * head's bound: id i against bounds[i % H] (bounds: H uint64 bounds as bytes; read as
  * unsigned, a negative id is huge). For a decode step's ids inside a model's forward: the
@@ -344,6 +424,11 @@ static PyMethodDef methods[] = {
      "take_rows(out, table, width, ids, prefetch=True) -> -1, or the position of the first id\n"
      "out of range.\n"
      "out[i] = row ids[i] of a table of width-byte rows, prefetching rows ahead."},
+    {"take_grid", take_grid, METH_VARARGS,
+     "take_grid(out, offset, group, group_stride, table, width, ids, prefetch=True, fd=-1,\n"
+     "min_size=0) -> -1, the position of the first id out of range, or -2 when file fd ends\n"
+     "before min_size. take_rows into runs of group rows group_stride bytes apart from byte\n"
+     "offset of out."},
     {"in_heads", in_heads, METH_VARARGS,
      "in_heads(address, n, bounds) -> whether the n int64 ids at address are each below\n"
      "their head's bound (bounds: H uint64 as bytes; id i against bounds[i % H])."},

@@ -147,6 +147,20 @@ def globalizer() -> Callable[[int, int, bytes, bytes, Any], bool] | None:
     return _compiled("global_ids")  # type: ignore[no-any-return]
 
 
+def grid_taker() -> Callable[..., int] | None:
+    """The compiled ``take_grid(out, offset, group, group_stride, table, width, ids,
+    prefetch=True, fd=-1, min_size=0) -> int`` (None when the loop is not built or is turned
+    off): `take_prefetched` into a grid of rows, row ``i`` of ``ids`` to byte ``offset + (i //
+    group) * group_stride + (i % group) * width`` of the C-contiguous ``out`` (every place
+    checked against its size), e.g. one layer's slice ``[B, H, rb]`` of a decoder's ``[B, L, H,
+    rb]`` buffer, which ``np.take`` reaches only through a temporary and a strided copy.
+    Returns -1, or the position of the first id past the table's rows (rows before it are
+    written), or -2 with nothing read when ``fd`` >= 0 names a file that now ends before
+    ``min_size`` (an attached table's mapped source, truncated: reading its mapping would
+    raise SIGBUS) or cannot be sought."""
+    return _compiled("take_grid")  # type: ignore[no-any-return]
+
+
 def rows_matcher() -> Callable[[int, int, Any, bytes], bool] | None:
     """The compiled check ``match(address, n, rows, offsets) -> bool`` (None when the loop is
     not built or is turned off): whether the ``n`` int64 local ids at ``address`` (as for

@@ -260,6 +260,15 @@ class SourceSegments:
                     f"({now} bytes, attached with {self._sizes[i]})"
                 )
 
+    def single_guard(self) -> tuple[int, int] | None:
+        """``(fd, size)`` of the file behind `single`: a reader of that array checks before
+        each read that the file still holds ``size`` bytes (`guard`'s test, done elsewhere,
+        e.g. inside a compiled gather). None when the table is not one mapped array."""
+        if self.single is None:
+            return None
+        f = self._single_file[0]
+        return self._fds[f], self._sizes[f]
+
     def guard_mapped(self) -> None:
         """`guard` of the files behind `single` (the one mapped array), else of every file."""
         self.guard(self._single_file if self.single is not None else None)

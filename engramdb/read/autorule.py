@@ -9,7 +9,8 @@ rows a push has just hashed, before they are submitted; all resident turns prefe
 miss on. While off, a fill the read rule saw page-faulting (it leaves its mapped state or
 marks it suspect) makes the next push check at once (a slow gather on a busy machine then
 costs a check, not a switch). While the table's background warm reads it, prefetch stays on,
-from the device. A fill through the mapping that faulted (`faulted`) keeps prefetch on for
+from the device (a warm that starts while prefetch is off and the read rule is cleanly
+mapped is seen at the next recheck, or at once by a fill it makes fault). A fill through the mapping that faulted (`faulted`) keeps prefetch on for
 ``fault_s``. ``prefetch=True`` always prefetches (still judging where from); tables with a
 fixed backend or a RAM tier follow their own read rule. ``checks`` / ``switches`` count the
 samples and the decisions that changed.
@@ -44,6 +45,10 @@ class PrefetchRule:
         #: The last sample of the layer's rows found them cold (read from the device).
         self.cold = [True] * n
         self.fault_until = [-float("inf")] * n
+        #: Per layer: prefetch is off and nothing needs a look before this time (the next
+        #: recheck) while the store's read rule stays in its clean mapped state: `want`
+        #: answers in one test (a decode step runs it for every layer, cache-cold).
+        self.quiet_until = [-float("inf")] * n
         self.checks = 0
         self.switches = 0
 
@@ -55,6 +60,7 @@ class PrefetchRule:
     def faulted(self, i: int) -> None:
         """A fill of layer ``i`` through the mapping faulted: prefetch for `fault_s`."""
         self.fault_until[i] = time.monotonic() + self.fault_s
+        self.quiet_until[i] = -float("inf")
 
     def _judge_cold(self, i: int, store: LocalTable, flat: np.ndarray, now: float) -> None:
         if now - self.at[i] >= self.recheck_s:
@@ -73,6 +79,11 @@ class PrefetchRule:
         if store is None or pf is False:
             return False
         now = time.monotonic()
+        if now < self.quiet_until[i] and store.mapped_state():
+            # off, no recheck due, and the read rule mapped and not suspect (so no hint); a
+            # warm that starts meanwhile is seen at the recheck, or at once by a fill it
+            # makes fault (`faulted`)
+            return False
         if pf is True:
             self._judge_cold(i, store, flat, now)
             return True
@@ -105,4 +116,5 @@ class PrefetchRule:
             self.switches += 1
         self.on[i] = decided
         self.was_mapped[i] = store.resident_state()
+        self.quiet_until[i] = -float("inf") if decided else self.at[i] + self.recheck_s
         return decided

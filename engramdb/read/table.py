@@ -305,6 +305,14 @@ class LocalTable(RowTable):
                 )
         return t
 
+    def array_guard(self) -> tuple[int, int] | None:
+        """For an attached table that is one mapped array: ``(fd, size)``, the source file
+        a reader of `array()` must find still ``size`` bytes long before each read (what
+        `array()` itself checks: a read of a truncated file's mapping raises SIGBUS; the
+        descriptor is the table's, valid until `close`). None otherwise."""
+        seg = self._segments
+        return None if seg is None else seg.single_guard()
+
     @property
     def attached(self) -> bool:
         """Whether the table reads its rows in place from source files (`engramdb.attach`)."""
