@@ -2,7 +2,7 @@
 one-position step, the ring entries written and the rows copied out by one call each)
 against the same decoder with those parts served by numpy, in one process.
 
-    python probes/decode_step.py [--gb 1] [--batches 1,8] [--steps 1200] [--block 20]
+    python probes/decode_step.py [--gb 1] [--batches 1,8] [--steps 1200] [--block 20] [--warm]
 
 Two attached tables of 320 B rows (random bytes, ``--gb`` in all, evicted first, opened
 with ``background_warm=False`` so they stay cold: every step's rows come from the device
@@ -13,6 +13,13 @@ again, fills layer 3, computes again. Blocks of ``--block`` steps alternate betw
 modes (compiled, numpy), so drift of the machine cancels. Rows are checked against the files
 in both modes. Printed per B: the median push / fill / total microseconds a step of each
 mode and their ratio. JSON to probes/out/decode_step.json; the tables are deleted at exit.
+
+``--warm``: the tables resident instead (populated and ``mlock``ed: this VM's DAMON page-out
+would drop idle page cache under the loop), opened by default, ``prefetch="auto"`` (so no
+prefetch: the fills gather from the mapping). The two modes are then the warm step's fast
+paths as built (the one-layer fill's compiled gather into the layer's slice, the prefetch
+rule's quiet window) against the general path (`_fill_direct`'s ``np.take``, every push's
+rule judged in full).
 """
 
 from __future__ import annotations
@@ -73,7 +80,14 @@ def evict(files: dict[int, Path]) -> None:
 
 
 def set_mode(dec: Any, compiled: bool, saved: dict[str, Any]) -> None:
-    """Turn the decoder's compiled step parts on (as built) or off (numpy)."""
+    """Turn the decoder's compiled step parts on (as built) or off (numpy). Warm: the step's
+    fast paths (the one-layer fill's compiled gather, the prefetch rule's quiet window) on,
+    or off (the fills through `_fill_direct`'s ``np.take``, every push judged in full)."""
+    if saved.get("warm"):
+        saved.setdefault("grid", dec._grid)
+        dec._grid = saved["grid"] if compiled else None
+        saved["fast"] = compiled
+        return
     reader = dec._reader
     if reader is not None:
         saved.setdefault("reader", (reader._spans_fn, reader._copy_fn))
@@ -92,11 +106,17 @@ def run_batch(
     from engramdb.decode import Decoder
 
     torch.set_num_threads(1)
-    evict(files)
     raw = {lay: np.memmap(files[lay], np.uint8, "r").reshape(-1, ROW) for lay in LAYERS}
-    db = engramdb.open(root / "db", background_warm=False)
+    if args.warm:  # resident, populated and locked (no page-out under the loop), default open
+        db = engramdb.open(root / "db")
+        for st in db.tables:
+            db[st].populate()
+            db[st].tiers.lock(None)
+    else:
+        evict(files)
+        db = engramdb.open(root / "db", background_warm=False)
     stores = {lay: db[f"l{lay}"] for lay in LAYERS}
-    dec = Decoder(stores, h, batch=b, prefetch=True, compressed=True)
+    dec = Decoder(stores, h, batch=b, prefetch="auto" if args.warm else True, compressed=True)
     out = np.empty(dec.out_shape, np.uint8)
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
@@ -110,17 +130,22 @@ def run_batch(
     tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b))
     dec.push(tokens[0])  # binds the streams, makes the reader
     dec.fill(out)
-    saved: dict[str, Any] = {}
+    saved: dict[str, Any] = {"warm": args.warm}
     times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     checked = {True: 0, False: 0}
     pc = time.perf_counter
     for s in range(1, args.steps):
         compiled = (s // args.block) % 2 == 0
         set_mode(dec, compiled, saved)
+        slow = args.warm and not compiled  # warm, fast paths off
+        if slow:
+            dec.rule.quiet_until[:] = [-float("inf")] * len(LAYERS)
         t0 = pc()
         rows = dec.push(tokens[s])
         t1 = pc()
         compute(12)
+        if slow:
+            dec._quick_out = None
         t2 = pc()
         dec.fill(out, layer=LAYERS[0])
         t3 = pc()
@@ -128,6 +153,9 @@ def run_batch(
         t4 = pc()
         dec.fill(out, layer=LAYERS[1])
         t5 = pc()
+        if slow:
+            dec.rule.quiet_until[:] = [-float("inf")] * len(LAYERS)
+            dec._quick_out = out
         compute(8)
         if s % 7 == 0:  # rows equal the files, in both modes
             for i, lay in enumerate(LAYERS):
@@ -139,6 +167,9 @@ def run_batch(
     reader = dec._reader
     doc: dict[str, Any] = {
         "batch": b,
+        "warm": args.warm,
+        "prefetched": dec.prefetched,
+        "direct_fills": dec.direct_fills,
         "step_rows": sum(st.counters()["step_rows"] for st in stores.values()),
         "compiled_built": bool(saved.get("reader", (None,))[0] is not None),
         "native_steps": sum(st.native_steps for st in dec._streams),
@@ -166,6 +197,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--block", type=int, default=20, help="steps per block of one mode")
     ap.add_argument("--dir", default=None, help="where the tables go (a temp dir by default)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="resident tables, default open and prefetch rule: the step's warm fast paths "
+        "(compiled one-layer fill, the rule's quiet window) against the general path",
+    )
     args = ap.parse_args()
 
     from engramdb import keygen
@@ -175,19 +212,22 @@ def main() -> None:
     try:
         files = build(root, h)
         gb = sum(p.stat().st_size for p in files.values()) / 1e9
-        print(f"tables: 2 layers, {gb:.2f} GB, cold (evicted, no background warm); {cpu_note()}")
+        state = "warm (populated, locked)" if args.warm else "cold (evicted, no background warm)"
+        print(f"tables: 2 layers, {gb:.2f} GB, {state}; {cpu_note()}")
+        names = ("fast paths", "general path") if args.warm else ("compiled", "numpy")
         results = []
         for b in (int(x) for x in args.batches.split(",")):
             r = run_batch(args, root, h, files, b)
             results.append(r)
             c, n = r["compiled"], r["numpy"]
             print(
-                f"B={b}: compiled push {c['push_us']:.0f} + fills {c['fill_first_us']:.0f} / "
-                f"{c['fill_second_us']:.0f} = {c['total_us']:.0f} us a step; numpy "
+                f"B={b}: {names[0]} push {c['push_us']:.0f} + fills {c['fill_first_us']:.0f} / "
+                f"{c['fill_second_us']:.0f} = {c['total_us']:.0f} us a step; {names[1]} "
                 f"{n['push_us']:.0f} + {n['fill_first_us']:.0f} / {n['fill_second_us']:.0f} = "
-                f"{n['total_us']:.0f} us; compiled/numpy {r['total_ratio']:.2f}x "
+                f"{n['total_us']:.0f} us; ratio {r['total_ratio']:.2f}x "
                 f"({c['steps']} / {n['steps']} steps, rows checked in "
-                f"{r['checked_steps'][True]} / {r['checked_steps'][False]})"
+                f"{r['checked_steps'][True]} / {r['checked_steps'][False]}; "
+                f"{r['prefetched']} layer steps prefetched, {r['direct_fills']} direct fills)"
             )
         path = write_json("decode_step", {"args": vars(args), "table_gb": gb, "results": results})
         print(f"wrote {path}")
