@@ -185,7 +185,8 @@ class Decoder:
                     tbl = None
             self._direct.append(tbl)
             self._mapped.append(st.mapped_state if st is not None else None)
-            fd, size = (st.array_guard() if tbl is not None else None) or (-1, 0)  # type: ignore[union-attr]
+            guard = st.array_guard() if st is not None and tbl is not None else None
+            fd, size = guard or (-1, 0)
             at = i * self.n_heads * self.row_bytes
             self._quick.append(None if tbl is None else (tbl, at, fd, size))
         # the one-layer fast path's step buffer (the last one a step filled), its slices
@@ -193,7 +194,7 @@ class Decoder:
         self._quick_shaped: list[np.ndarray] = []
         self._grid = grid_taker()
         self._group_stride = len(self.stores) * self.n_heads * self.row_bytes
-        #: Layer fills served by one ``np.take`` from the mapping into the buffer's slice
+        #: Layer fills served by one gather from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
         #: ticket: no mapping, no page faults) / read here because their prefetch was still
         #: queued (withdrawn: the step came before the worker reached it).
@@ -547,11 +548,11 @@ class Decoder:
         which: range | tuple[int],
         shaped: list[np.ndarray],
     ) -> bool:
-        """The resident fast path of `fill`: each layer's rows in one ``np.take`` from the
-        mapping straight into its (possibly strided) slice of ``out``, when every layer asked
-        for is a single mapped array without a RAM tier, and its rows are resident (a
-        finished page-cache prefetch, or no prefetch while its read rule serves it from the
-        mapping). False (nothing written) otherwise: the general path reads."""
+        """The resident fast path of `fill`: each layer's rows in one gather (`_take_layer`)
+        from the mapping into its (possibly strided) slice of ``out``, when every layer asked
+        for is one mapped array without a RAM tier and its rows are resident (a finished
+        page-cache prefetch, or no prefetch while its read rule serves it from the mapping).
+        False (nothing written) otherwise: the general path reads."""
         tables = self._direct
         for i in which:
             tbl = tables[i]

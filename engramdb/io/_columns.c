@@ -253,12 +253,13 @@ fail:
 /* take_grid(out, offset, group, group_stride, table, width, ids, prefetch=True, fd=-1,
  * min_size=0) -> -1 when every id was in range, else the position of the first id out of
  * range (rows before it are written), or -2 (nothing read) when fd >= 0 and the file it
- * names now ends before min_size or cannot be sought: the mapped source of an attached table
- * checked before its mapping is read (a read past a truncated file's end raises SIGBUS);
- * the caller's own check then names the error. take_rows into a grid of rows: row i goes to byte offset + (i / group) *
- * group_stride + (i % group) * width of out, so runs of group rows lie back to back and the
- * runs group_stride bytes apart: a decoder's layer slice [B, H, rb] of its [B, L, H, rb]
- * buffer, where np.take, which needs a contiguous out, gathers into a temporary and copies.
+ * names now ends before min_size or cannot be sought: the mapped source of an attached
+ * table checked before its mapping is read (a read past a truncated file's end raises
+ * SIGBUS); the caller's own check then names the error.
+ * take_rows into a grid of rows: row i goes to byte offset + (i / group) * group_stride +
+ * (i % group) * width of out, so runs of group rows lie back to back and the runs
+ * group_stride bytes apart: a decoder's layer slice [B, H, rb] of its [B, L, H, rb] buffer,
+ * where np.take, which needs a contiguous out, gathers into a temporary and copies.
  *   out:   writable C-contiguous buffer holding every row's place (checked)
  *   table: C-contiguous buffer of rows * width bytes
  *   ids:   C-contiguous buffer of int64 row ids, a whole number of groups */

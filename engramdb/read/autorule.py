@@ -10,10 +10,11 @@ miss on. While off, a fill the read rule saw page-faulting (it leaves its mapped
 marks it suspect) makes the next push check at once (a slow gather on a busy machine then
 costs a check, not a switch). While the table's background warm reads it, prefetch stays on,
 from the device (a warm that starts while prefetch is off and the read rule is cleanly
-mapped is seen at the next recheck, or at once by a fill it makes fault). A fill through the mapping that faulted (`faulted`) keeps prefetch on for
-``fault_s``. ``prefetch=True`` always prefetches (still judging where from); tables with a
-fixed backend or a RAM tier follow their own read rule. ``checks`` / ``switches`` count the
-samples and the decisions that changed.
+mapped is seen at the next recheck, or at once by a fill it makes fault). A fill through the
+mapping that faulted (`faulted`) keeps prefetch on for ``fault_s``. ``prefetch=True`` always
+prefetches (still judging where from); tables with a fixed backend or a RAM tier follow
+their own read rule. ``checks`` / ``switches`` count the samples and the decisions that
+changed.
 """
 
 from __future__ import annotations
