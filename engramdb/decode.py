@@ -13,13 +13,9 @@ buffer, waiting only for reads still in flight::
         ...                          # layers before the table's layer
         dec.fill(out)                # [B, H, row_bytes]
 
-A prompt goes in at once: `Decoder.prefill` hashes all its tokens in one batched pass and
-submits one prefetch per layer; the next `fill` takes ``[T, H, row_bytes]`` (``[B, T, ...]``).
-
-Several layers (DeepSeek Engram: a table per layer) use a `{layer: store}` mapping and fill
-``[B, L, H, row_bytes]``. Any `RowTable` works (a `RemoteStore`, a `MooncakeTable`): tables
-that are not local (`engramdb.read.table.LocalTable`) have no prefetcher, so their rows are
-read at `fill` through `RowTable.gather`.
+A prompt goes in at once (`Decoder.prefill`); several layers (a table per layer) use a
+`{layer: store}` mapping and fill ``[B, L, H, row_bytes]``; tables that are not local (a
+`RemoteStore`, a `MooncakeTable`) are read at `fill` through `RowTable.gather`.
 """
 
 from __future__ import annotations
@@ -39,18 +35,7 @@ from engramdb.read.step_plan import RUNNING, StepTicket, grid_view
 from engramdb.read.steps import StepReader
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
-from engramdb.validate import check_output
-
-
-def _one_token(token_ids: Any) -> int:
-    """The one token of a single-sequence push (a Python int or a 0-d value)."""
-    if type(token_ids) is int:
-        return token_ids
-    if np.ndim(token_ids) != 0:
-        raise ShapeMismatch(
-            f"a single-sequence decoder takes one token, got shape {np.shape(token_ids)}"
-        )
-    return int(token_ids)
+from engramdb.validate import check_output, one_token
 
 
 class Decoder:
@@ -67,17 +52,10 @@ class Decoder:
     ``compressed``: the pushed ids are already tokenizer-compressed (DeepSeek kinds and
     engram-peft without a token map).
 
-    The ``auto`` rule (`engramdb.read.autorule.PrefetchRule`, ``rule``; its sample interval
-    ``auto_recheck_s``) judges residency from rows the decoder has *not* prefetched, and
-    whether prefetched rows are cold. ``auto_checks`` / ``auto_switches`` count its samples
-    and the decisions that changed.
-
-    Cold rows of tables that are one mapped array are read by a `StepReader`: at `push`,
-    one ``O_DIRECT`` read per row goes to the process's io_uring polling thread (nothing to
-    wait for here); at `fill` the rows come from its staging buffer, every layer asked for in
-    one gather straight into ``out``. Other prefetches keep the rows they read
-    (``keep_rows``): `fill` copies them from there (``kept_fills`` counts both), so no thread
-    faults on a mapping this process has not populated.
+    The ``auto`` rule: `engramdb.read.autorule.PrefetchRule` (``rule``, its sample interval
+    ``auto_recheck_s``; ``auto_checks`` / ``auto_switches``). Cold rows of a mapped table are
+    read by a `StepReader` (one ``O_DIRECT`` read per row, submitted at `push`), others by
+    the table's prefetcher; resident rows are gathered at `fill` (docs/workloads.md).
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).
@@ -193,6 +171,8 @@ class Decoder:
         self._quick_out: np.ndarray | None = None
         self._quick_shaped: list[np.ndarray] = []
         self._grid = grid_taker()
+        self._offsets = [np.asarray(h.offsets(lay), np.int64) for lay in self.layers]
+        self._local_ids: list[np.ndarray | None] = [None] * len(self.layers)
         self._group_stride = len(self.stores) * self.n_heads * self.row_bytes
         #: Layer fills served by one gather from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
@@ -288,7 +268,7 @@ class Decoder:
         if self._single:
             return self._push1(token_ids)
         if self.batch is None:
-            return self._push_streams(_one_token(token_ids), None, None)
+            return self._push_streams(one_token(token_ids), None, None)
         arr = np.asarray(token_ids)
         if arr.shape != (self.batch,):
             raise ShapeMismatch(f"expected {self.batch} tokens, got shape {arr.shape}")
@@ -296,7 +276,7 @@ class Decoder:
 
     def _push1(self, token_ids: Any) -> list[np.ndarray]:
         if type(token_ids) is not int:
-            token_ids = _one_token(token_ids)
+            token_ids = one_token(token_ids)
         r = self._streams[0].push(token_ids)
         jobs: list[Any] = []
         self._submit(0, r, jobs)
@@ -310,14 +290,33 @@ class Decoder:
         (``shape``: the rows' per-step shape) and record the step."""
         rows = []
         jobs: list[Any] = []
+        quiet, tickets, now = self.rule.quiet_until, self._tickets, time.monotonic()
         for i, st in enumerate(self._streams):
             r = st.push(tok)
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
-            self._submit(i, r.reshape(-1), jobs)
+            # the rule's quiet window (`PrefetchRule.want` would say no at once): no call
+            if not (tickets[i] is None and now < quiet[i] and self._mapped[i]()):
+                self._submit(i, r.reshape(-1), jobs)
         self._flush(jobs)
         return self._stepped(rows, pending_t)
+
+    def local_ids(self, layer: int | None = None) -> np.ndarray:
+        """The pending step's (or prefill's) row ids of ``layer`` (None: a single layer) less
+        each head's offset: the per-head local ids a model's multi-head embedding takes (as
+        `Hasher.local_ids`), e.g. the ids the hook serving this decoder's fills checks. One
+        subtraction into a buffer reused from step to step (valid until the next push)."""
+        rows = self._rows
+        j = self._slot_of.get(layer if layer is not None else self.layers[0])  # type: ignore[arg-type]
+        if j is None or (layer is None and len(self.layers) > 1):
+            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
+        if rows is None:
+            raise InvalidArgument("local_ids() before push(): no pending step")
+        buf = self._local_ids[j]
+        if buf is None or buf.shape != rows[j].shape:
+            buf = self._local_ids[j] = np.empty(rows[j].shape, np.int64)
+        return np.subtract(rows[j], self._offsets[j], out=buf)
 
     def _stepped(self, rows: list[np.ndarray], pending_t: int | None) -> list[np.ndarray]:
         self._rows = rows

@@ -148,6 +148,17 @@ def check_bounds(
     )
 
 
+def one_token(token_ids: Any) -> int:
+    """The one token of a single-sequence push (a Python int or a 0-d value)."""
+    if type(token_ids) is int:
+        return token_ids
+    if np.ndim(token_ids) != 0:
+        raise ShapeMismatch(
+            f"a single-sequence decoder takes one token, got shape {np.shape(token_ids)}"
+        )
+    return int(token_ids)
+
+
 def check_output(out: Any, shape: tuple[int, ...] | None, *, name: str = "out") -> np.ndarray:
     """``out`` must be a writable, C-contiguous uint8 ndarray of exactly ``shape`` (any shape
     when ``shape`` is None: a backend's flat destination buffer)."""

@@ -420,7 +420,6 @@ def child(args: argparse.Namespace) -> None:
         for st in stores.values():
             st.populate()
     prefetch_module = kind == "module+pf"
-    offs = {lay: h.offsets(lay) for lay in ENGRAM_AFTER}
     bufs: dict[str, np.ndarray] = {}
     fill_layer = None
     if dec is not None:
@@ -451,15 +450,12 @@ def child(args: argparse.Namespace) -> None:
 
         def feed(col: np.ndarray) -> dict[int, torch.Tensor]:
             if dec is not None:
-                # The decoder hashes for the model: its row ids minus the head offsets are the
-                # layers' local ids (the hook verifies them against its fill).
+                # The decoder hashes for the model: its local ids (row ids less the head
+                # offsets) are the layers' ids (the hook verifies them against its fill).
                 t0 = time.perf_counter()
-                rows = dec.push(col[:, 0]) if col.shape[1] == 1 else dec.prefill(col)
+                dec.push(col[:, 0]) if col.shape[1] == 1 else dec.prefill(col)
                 Clock.add("push", time.perf_counter() - t0)
-                return {
-                    lay: torch.from_numpy((r - offs[lay]).reshape(b, col.shape[1], HEADS))
-                    for lay, r in zip(dec.layers, rows)
-                }
+                return {lay: model_ids(dec, lay, col.shape[1]) for lay in dec.layers}
             hashes = {lay: torch.from_numpy(st.push(col)) for lay, st in streams.items()}
             if prefetch_module:
                 t0 = time.perf_counter()
@@ -516,7 +512,7 @@ def child(args: argparse.Namespace) -> None:
     prompt = np.random.default_rng(b).integers(0, args.vocab, (b, args.prompt))
     if ram_mods:  # a --paired child: only the paired figure
         pdoc = paired_steps(
-            args, model, h, prompt, ram_mods, tables, mods, dec, fill_layer, bufs, offs, b
+            args, model, h, prompt, ram_mods, tables, mods, dec, fill_layer, bufs, b
         )
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
@@ -554,6 +550,22 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(doc))
 
 
+_IDS: dict[int, tuple[np.ndarray, Any]] = {}
+
+
+def model_ids(dec: Any, lay: int, t: int) -> Any:
+    """Layer ``lay``'s ids for the model after a push or prefill of ``t`` positions: the
+    decoder's local ids (`Decoder.local_ids`, a buffer it reuses) as a ``[B, t, H]`` tensor
+    made once per buffer."""
+    import torch
+
+    buf = dec.local_ids(lay)
+    c = _IDS.get(lay)
+    if c is None or c[0] is not buf:
+        c = _IDS[lay] = (buf, torch.from_numpy(buf).view(-1, t, HEADS))
+    return c[1]
+
+
 def paired_steps(
     args: argparse.Namespace,
     model: Any,
@@ -565,7 +577,6 @@ def paired_steps(
     dec: Any,
     fill_layer: Any,
     bufs: dict[str, np.ndarray],
-    offs: dict[int, np.ndarray],
     b: int,
 ) -> dict[str, Any]:
     """A ``--paired`` child: the in-RAM tables and this arm decode the same prompt in one
@@ -613,11 +624,8 @@ def paired_steps(
         def _feed(self, col: np.ndarray) -> dict[int, Any]:
             d = self.dec
             if d is not None:
-                rows = d.push(col[:, 0]) if col.shape[1] == 1 else d.prefill(col)
-                return {
-                    lay: torch.from_numpy((r - offs[lay]).reshape(b, col.shape[1], HEADS))
-                    for lay, r in zip(d.layers, rows)
-                }
+                d.push(col[:, 0]) if col.shape[1] == 1 else d.prefill(col)
+                return {lay: model_ids(d, lay, col.shape[1]) for lay in d.layers}
             hashes = {lay: torch.from_numpy(st.push(col)) for lay, st in self.streams.items()}
             if self.prefetch:
                 for lay, ids in hashes.items():

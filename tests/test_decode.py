@@ -611,3 +611,42 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
         dec.push(9)
         assert dec.prefetched == 1 and asked == [1]
         dec.fill(out)
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_local_ids_are_the_models_per_head_ids(
+    tmp_path: Path, rng: np.random.Generator, batch: int | None
+) -> None:
+    """`local_ids(layer)`: the pending step's (or prefill's) row ids less each head's offset,
+    as `Hasher.local_ids` gives them, in one buffer reused from step to step."""
+    h = small_qwen(ple_layer_ids=[2, 5])
+    for lay in h.layers:
+        build_for(tmp_path, h, lay, f"e{lay}", lay)
+    seqs = 1 if batch is None else batch
+    toks = tokens(rng, (seqs, 12))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({lay: db[f"e{lay}"] for lay in h.layers}, h, batch=batch)
+        with pytest.raises(InvalidArgument, match="before push"):
+            dec.local_ids(2)
+        dec.prefill(toks[0, :6] if batch is None else toks[:, :6])
+        for lay in h.layers:
+            want = h.local_ids(toks[:, :6], layer=lay)  # [S, 6, H]
+            got = dec.local_ids(lay)
+            assert np.array_equal(got, want[0] if batch is None else want)
+        bufs = {}
+        for t in range(6, 12):
+            rows = dec.push(int(toks[0, t]) if batch is None else toks[:, t])
+            for i, lay in enumerate(h.layers):
+                got = dec.local_ids(lay)
+                want = h.local_ids(toks[:, : t + 1], layer=lay)[:, -1]  # [S, H]
+                assert np.array_equal(got.reshape(want.shape), want)
+                assert np.array_equal(got + h.offsets(lay), rows[i])
+                assert bufs.setdefault(lay, got) is got  # the same buffer each step
+        with pytest.raises(InvalidArgument, match="not one of"):
+            dec.local_ids(3)
+        with pytest.raises(InvalidArgument, match="not one of"):
+            dec.local_ids()  # two layers: name one
+        one = Decoder(db["e5"], h, layer=5, batch=batch)
+        one.push(int(toks[0, 0]) if batch is None else toks[:, 0])
+        want = h.local_ids(toks[:, :1], layer=5)[:, -1]
+        assert np.array_equal(one.local_ids().reshape(want.shape), want)
