@@ -290,14 +290,14 @@ class Decoder:
         (``shape``: the rows' per-step shape) and record the step."""
         rows = []
         jobs: list[Any] = []
-        quiet, tickets, now = self.rule.quiet_until, self._tickets, time.monotonic()
+        rule, tickets, now = self.rule, self._tickets, time.monotonic()
         for i, st in enumerate(self._streams):
             r = st.push(tok)
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
-            # the rule's quiet window (`PrefetchRule.want` would say no at once): no call
-            if not (tickets[i] is None and now < quiet[i] and self._mapped[i]()):
+            # in the rule's quiet window `_submit` would leave no ticket: skip its calls
+            if tickets[i] is not None or not rule.quiet(i, self._local[i], now):
                 self._submit(i, r.reshape(-1), jobs)
         self._flush(jobs)
         return self._stepped(rows, pending_t)

@@ -38,6 +38,17 @@ def tokens(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return t
 
 
+def wait_mapped(s: Any) -> None:
+    """Fetch spread rows until the table's read rule is in its mapped state (a busy machine
+    may make it suspect); skip the test if it never gets there."""
+    for _ in range(20):
+        s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
+        if s.mapped_state():
+            return
+        time.sleep(0.3)
+    pytest.skip("the read rule did not reach its mapped state")
+
+
 @pytest.mark.parametrize("prefetch", [True, False, "auto"])
 @pytest.mark.parametrize("ram_budget", [None, "256K"])
 def test_one_sequence_equals_keygen_plus_fetch(
@@ -261,13 +272,7 @@ def test_auto_turns_prefetch_back_on_when_the_read_rule_sees_faults(
         dec.fill(out)
         if dec.prefetched:
             pytest.skip("the populated table was not resident (memory pressure)")
-        for _ in range(20):  # the rule goes mapped (a busy machine may make it suspect)
-            s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
-            if s.mapped_state():
-                break
-            time.sleep(0.3)
-        else:
-            pytest.skip("the read rule did not reach its mapped state")
+        wait_mapped(s)
         dec.push(2)
         assert dec.prefetched == 0
         dec.fill(out)
@@ -590,13 +595,7 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
         s.populate()
         dec = Decoder(s, h, auto_recheck_s=3600.0)
         out = np.empty(dec.out_shape, np.uint8)
-        for _ in range(20):  # the read rule goes mapped (a busy machine may make it suspect)
-            s.fetch(np.arange(0, s.n_rows, max(1, s.n_rows // 300)))
-            if s.mapped_state():
-                break
-            time.sleep(0.3)
-        else:
-            pytest.skip("the read rule did not reach its mapped state")
+        wait_mapped(s)
         dec.push(1)
         dec.fill(out)
         if dec.prefetched or not s.mapped_state():

@@ -51,30 +51,50 @@ static inline void prefetch_src(const uint8_t *p, Py_ssize_t w) {
 }
 
 /* One source: rows of width w, the lines of row i + AHEAD asked for while row i is copied
- * (without prefetch, a plain copy loop: rows already in the CPU caches copy faster). */
-static Py_ssize_t take_one(uint8_t *out, const uint8_t *base, Py_ssize_t rows, Py_ssize_t w,
-                           const int64_t *ids, Py_ssize_t n, int prefetch) {
+ * (without prefetch, a plain copy loop: rows already in the CPU caches copy faster). Row i
+ * goes to out + (i / group) * gstride + (i % group) * w: runs of group rows back to back,
+ * the runs gstride bytes apart (take_one: one run, out contiguous). */
+static Py_ssize_t take_runs(uint8_t *out, const uint8_t *base, Py_ssize_t rows, Py_ssize_t w,
+                            const int64_t *ids, Py_ssize_t n, int prefetch, Py_ssize_t group,
+                            Py_ssize_t gstride) {
     Py_ssize_t first = n < AHEAD ? n : AHEAD;
-    if (!prefetch) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if ((uint64_t)ids[i] >= (uint64_t)rows) return i;
-            memcpy(out + i * w, base + ids[i] * w, (size_t)w);
-        }
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < first; i++)
-        if ((uint64_t)ids[i] < (uint64_t)rows) prefetch_src(base + ids[i] * w, w);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows)
+    if (prefetch)
+        for (Py_ssize_t i = 0; i < first; i++)
+            if ((uint64_t)ids[i] < (uint64_t)rows) prefetch_src(base + ids[i] * w, w);
+    for (Py_ssize_t i = 0, k = 0; i < n; i++) {
+        if (prefetch && i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows)
             prefetch_src(base + ids[i + AHEAD] * w, w);
         if ((uint64_t)ids[i] >= (uint64_t)rows) return i;
-        memcpy(out + i * w, base + ids[i] * w, (size_t)w);
+        memcpy(out + k * w, base + ids[i] * w, (size_t)w);
+        if (++k == group) {
+            k = 0;
+            out += gstride;
+        }
     }
     return -1;
 }
 
+static Py_ssize_t take_one(uint8_t *out, const uint8_t *base, Py_ssize_t rows, Py_ssize_t w,
+                           const int64_t *ids, Py_ssize_t n, int prefetch) {
+    return take_runs(out, base, rows, w, ids, n, prefetch, n, n * w);
+}
+
 static void release_all(Py_buffer *views, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+}
+
+/* The buffers of a one-table gather into views[0..2]: the table and the ids C-contiguous,
+ * out C-contiguous and writable; *held counts those taken (release_all them). -1 on error. */
+static int table_ids_out(PyObject *table, PyObject *ids, PyObject *out, Py_buffer *views,
+                         int *held) {
+    if (PyObject_GetBuffer(table, &views[*held], PyBUF_C_CONTIGUOUS) < 0) return -1;
+    (*held)++;
+    if (PyObject_GetBuffer(ids, &views[*held], PyBUF_C_CONTIGUOUS) < 0) return -1;
+    (*held)++;
+    if (PyObject_GetBuffer(out, &views[*held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    (*held)++;
+    return 0;
 }
 
 /* take(out, ids, columns) -> -1 when every id was in range, else the position of the first
@@ -215,13 +235,7 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
         return NULL;
     Py_buffer views[3];
     int held = 0;
-    if (PyObject_GetBuffer(table_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
-    held++;
-    if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
-    held++;
-    if (PyObject_GetBuffer(out_obj, &views[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto fail;
-    held++;
+    if (table_ids_out(table_obj, ids_obj, out_obj, views, &held) < 0) goto fail;
     if (width <= 0 || views[0].len % width != 0 || views[1].len % 8 != 0 ||
         views[2].len != views[1].len / 8 * width) {
         PyErr_Format(PyExc_ValueError,
@@ -273,13 +287,7 @@ static PyObject *take_grid(PyObject *self, PyObject *args) {
         return NULL;
     Py_buffer views[3];
     int held = 0;
-    if (PyObject_GetBuffer(table_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
-    held++;
-    if (PyObject_GetBuffer(ids_obj, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fail;
-    held++;
-    if (PyObject_GetBuffer(out_obj, &views[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto fail;
-    held++;
+    if (table_ids_out(table_obj, ids_obj, out_obj, views, &held) < 0) goto fail;
     Py_ssize_t n = views[1].len / 8;
     if (width <= 0 || group <= 0 || offset < 0 || views[0].len % width != 0 ||
         views[1].len % 8 != 0 || n % group != 0 || gstride < group * width ||
@@ -298,29 +306,9 @@ static PyObject *take_grid(PyObject *self, PyObject *args) {
             return PyLong_FromLong(-2);
         }
     }
-    {
-        const uint8_t *base = (const uint8_t *)views[0].buf;
-        const int64_t *ids = (const int64_t *)views[1].buf;
-        uint8_t *dst = (uint8_t *)views[2].buf + offset;
-        Py_ssize_t rows = views[0].len / width, w = width;
-        Py_ssize_t first = n < AHEAD ? n : AHEAD;
-        if (prefetch)
-            for (Py_ssize_t i = 0; i < first; i++)
-                if ((uint64_t)ids[i] < (uint64_t)rows) prefetch_src(base + ids[i] * w, w);
-        for (Py_ssize_t i = 0, k = 0; i < n; i++) {
-            if (prefetch && i + AHEAD < n && (uint64_t)ids[i + AHEAD] < (uint64_t)rows)
-                prefetch_src(base + ids[i + AHEAD] * w, w);
-            if ((uint64_t)ids[i] >= (uint64_t)rows) {
-                bad = i;
-                break;
-            }
-            memcpy(dst + k * w, base + ids[i] * w, (size_t)w);
-            if (++k == group) {
-                k = 0;
-                dst += gstride;
-            }
-        }
-    }
+    bad = take_runs((uint8_t *)views[2].buf + offset, (const uint8_t *)views[0].buf,
+                    views[0].len / width, width, (const int64_t *)views[1].buf, n, prefetch,
+                    group, gstride);
     release_all(views, held);
     return PyLong_FromSsize_t(bad);
 fail:

@@ -74,16 +74,20 @@ class PrefetchRule:
         self.on[i] = True
         return True
 
+    def quiet(self, i: int, store: LocalTable | None, now: float) -> bool:
+        """Whether layer ``i`` is in its quiet window at ``now``: prefetch off, no recheck
+        due, and ``store``'s read rule mapped and not suspect (so no hint), so `want` says no
+        without a look. A warm that starts meanwhile is seen at the recheck, or at once by a
+        fill it makes fault (`faulted`)."""
+        return now < self.quiet_until[i] and store is not None and store.mapped_state()
+
     def want(self, i: int, store: LocalTable | None, flat: np.ndarray) -> bool:
         """Whether layer ``i``'s rows ``flat`` (just hashed, not yet read) get a prefetch."""
         pf = self.prefetch
         if store is None or pf is False:
             return False
         now = time.monotonic()
-        if now < self.quiet_until[i] and store.mapped_state():
-            # off, no recheck due, and the read rule mapped and not suspect (so no hint); a
-            # warm that starts meanwhile is seen at the recheck, or at once by a fill it
-            # makes fault (`faulted`)
+        if self.quiet(i, store, now):
             return False
         if pf is True:
             self._judge_cold(i, store, flat, now)
