@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from engramdb.errors import EngramDBError, InvalidArgument, RowIdOutOfRange, ShapeMismatch
+from engramdb.errors import InvalidArgument, RowIdOutOfRange, ShapeMismatch
 from engramdb.io.columns import grid_taker
 from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.autorule import PrefetchRule
+from engramdb.read.decode_fill import LayerReads, mapped_tables
 from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
 from engramdb.read.step_plan import RUNNING, StepTicket, grid_view
 from engramdb.read.steps import StepReader
@@ -145,35 +146,28 @@ class Decoder:
         self._single = self.batch is None and len(self.stores) == 1
         self._last_out: np.ndarray | None = None
         self._last_out2d: np.ndarray | None = None
-        # The resident fast paths of `fill` (`_fill_direct`, its one-layer one): per layer the
-        # mapped table (None: a RAM tier, several source columns, or not local), its read
-        # rule's mapped state, and for `_take_layer` (table, the byte offset of its slice in
-        # a buffer, the attached source's descriptor and size to check, or -1 and 0).
-        self._fill_key: tuple[np.ndarray, int | None, list[np.ndarray]] | None = None
+        self._fill_keys: dict[int, tuple[Any, ...]] = {}  # `_key` per buffer (by id)
         self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
-        self._direct: list[np.ndarray | None] = []
-        self._mapped: list[Any] = []
-        self._quick: list[tuple[np.ndarray, int, int, int] | None] = []
-        for i, st in enumerate(self._local):
-            tbl = None
-            if st is not None and st.cache is None:
-                try:
-                    tbl = st.array()
-                except EngramDBError:  # rows assembled from several source columns
-                    tbl = None
-            self._direct.append(tbl)
-            self._mapped.append(st.mapped_state if st is not None else None)
-            guard = st.array_guard() if st is not None and tbl is not None else None
-            fd, size = guard or (-1, 0)
-            at = i * self.n_heads * self.row_bytes
-            self._quick.append(None if tbl is None else (tbl, at, fd, size))
-        # the one-layer fast path's step buffer (the last one a step filled), its slices
-        self._quick_out: np.ndarray | None = None
-        self._quick_shaped: list[np.ndarray] = []
+        # the resident fast paths of `fill` (`_fill_direct`, its one-layer one)
+        self._direct, self._mapped, self._quick = mapped_tables(self._local)
+        # per layer, the step buffer its last fill wrote (the one-layer fast path serves the
+        # next step's fill of it): (buffer, the layer's slice, its `_take_layer` place)
+        self._quick_dst: list[tuple[Any, ...] | None] = [None] * len(self.stores)
         self._grid = grid_taker()
         self._offsets = [np.asarray(h.offsets(lay), np.int64) for lay in self.layers]
+        # `local_ids`' buffers; once it is called, each push has the keygen write them too
+        # (in its compiled step's own pass) and marks them fresh for that step
         self._local_ids: list[np.ndarray | None] = [None] * len(self.layers)
-        self._group_stride = len(self.stores) * self.n_heads * self.row_bytes
+        self._local_fresh = [False] * len(self.layers)
+        self._want_local = False
+        self._reads = LayerReads(
+            self.stores,
+            self._local,
+            self._tickets,
+            self.filled_rows,
+            self.filled_out,
+            self.row_bytes,
+        )
         #: Layer fills served by one gather from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
         #: ticket: no mapping, no page faults) / read here because their prefetch was still
@@ -217,6 +211,13 @@ class Decoder:
         prefill."""
         t = self._pending_t
         return self.out_shape if t is None else self.prefill_shape(t)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """One layer's part of `pending_shape` (the layer axis left out): the shape of a
+        buffer of one layer's rows, which ``fill(out, layer=)`` also takes."""
+        s = self.pending_shape
+        return s if len(self.stores) == 1 else s[:-3] + s[-2:]
 
     # -- steps ---------------------------------------------------------------------------------
     def _submit(self, i: int, flat: np.ndarray, jobs: list[Any]) -> None:
@@ -277,7 +278,10 @@ class Decoder:
     def _push1(self, token_ids: Any) -> list[np.ndarray]:
         if type(token_ids) is not int:
             token_ids = one_token(token_ids)
-        r = self._streams[0].push(token_ids)
+        lo = self._local_ids[0] if self._want_local else None
+        self._local_fresh[0] = False
+        r = self._streams[0].push(token_ids, local_out=lo)
+        self._local_fresh[0] = lo is not None
         jobs: list[Any] = []
         self._submit(0, r, jobs)
         self._flush(jobs)
@@ -291,8 +295,14 @@ class Decoder:
         rows = []
         jobs: list[Any] = []
         rule, tickets, now = self.rule, self._tickets, time.monotonic()
+        n, fresh = self.n_heads * (tok.size if type(tok) is np.ndarray else 1), self._local_fresh
         for i, st in enumerate(self._streams):
-            r = st.push(tok)
+            lo = self._local_ids[i] if self._want_local else None
+            if lo is not None and lo.size != n:
+                lo = None  # a prefill's buffer, or a step's after a prefill: `local_ids` makes one
+            fresh[i] = False
+            r = st.push(tok, local_out=lo)
+            fresh[i] = lo is not None
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
@@ -305,8 +315,9 @@ class Decoder:
     def local_ids(self, layer: int | None = None) -> np.ndarray:
         """The pending step's (or prefill's) row ids of ``layer`` (None: a single layer) less
         each head's offset: the per-head local ids a model's multi-head embedding takes (as
-        `Hasher.local_ids`), e.g. the ids the hook serving this decoder's fills checks. One
-        subtraction into a buffer reused from step to step (valid until the next push)."""
+        `Hasher.local_ids`), e.g. the ids the hook serving this decoder's fills checks. In a
+        buffer reused from step to step (valid until the next push): once this has been
+        called, each push's keygen writes them there in its own pass (else one subtraction)."""
         rows = self._rows
         j = self._slot_of.get(layer if layer is not None else self.layers[0])  # type: ignore[arg-type]
         if j is None or (layer is None and len(self.layers) > 1):
@@ -314,8 +325,11 @@ class Decoder:
         if rows is None:
             raise InvalidArgument("local_ids() before push(): no pending step")
         buf = self._local_ids[j]
+        if self._local_fresh[j] and buf is not None:
+            return buf.reshape(rows[j].shape) if buf.shape != rows[j].shape else buf
         if buf is None or buf.shape != rows[j].shape:
             buf = self._local_ids[j] = np.empty(rows[j].shape, np.int64)
+        self._want_local = self._local_fresh[j] = True  # the next pushes write them
         return np.subtract(rows[j], self._offsets[j], out=buf)
 
     def _stepped(self, rows: list[np.ndarray], pending_t: int | None) -> list[np.ndarray]:
@@ -326,11 +340,16 @@ class Decoder:
         return rows
 
     def _fill_step(
-        self, out: np.ndarray, rows: list[np.ndarray], which: range | tuple[int, ...]
+        self,
+        out: np.ndarray,
+        rows: list[np.ndarray],
+        which: range | tuple[int, ...],
+        one: bool = False,
     ) -> bool:
         """The step reader's fast path: the layers ``which`` of this step straight from the
-        reader into their slices of ``out`` (all layers at once: one gather), when the
-        reader is reading each of them. False (nothing written) otherwise."""
+        reader into their slices of ``out`` (all layers at once: one gather; ``one``: ``out``
+        holds one layer's rows), when the reader is reading each of them. False (nothing
+        written) otherwise."""
         if self._step_out is out:
             return True  # every layer of this step is in this buffer already
         reader = self._reader
@@ -342,14 +361,15 @@ class Decoder:
             if type(t) is not StepTicket or t.state != RUNNING or t.reader is not reader:
                 return False
         unit = reader.step_unit
-        every = len(which) == len(rows)
+        every = not one and len(which) == len(rows)
         for i in (-1,) if every else which:
             dk = self._dest_keys.get(i)
             if dk is not None and dk[0] is out and dk[1] == self._pending_t and dk[2] == unit:
                 dest = dk[3]
             else:
                 lead = rows[0].shape[:-1]
-                dest = grid_view(out, lead, len(rows), self.n_heads, unit, i)
+                n, at = (1, 0) if one else (len(rows), i)
+                dest = grid_view(out, lead, n, self.n_heads, unit, at)
                 self._dest_keys[i] = (out, self._pending_t, unit, dest)
             t = None if every else tickets[i]
             if not reader.finish_into(dest, t):  # type: ignore[arg-type]
@@ -415,17 +435,19 @@ class Decoder:
         prefetch still queued is withdrawn and read here. Raises the error of a failed
         prefetch. ``layer`` fills only that layer's slice of ``out`` (an engine fills each
         layer's rows right before the layer runs, so later layers' reads overlap more
-        compute)."""
+        compute), or all of an ``out`` of `layer_shape` (a buffer per layer: a layer's rows
+        then lie together, where its slice of a ``[B, L, H, rb]`` buffer is strided)."""
         rows = self._rows
-        if out is self._quick_out and self._step_out is None and self._pending_t is None:
+        if type(layer) is int and self._step_out is None and self._pending_t is None:
             # A step's one-layer fill of the buffer the last step filled (a warm decode's
             # every fill), the table mapped and served from the mapping, no prefetch: one
             # `_take_layer` after a few tests (inside a model step, each call costs several
             # times its cost in a loop)
-            j = self._slot_of.get(layer)  # type: ignore[arg-type]
+            j = self._slot_of.get(layer)
             if j is not None and rows is not None and self._quick[j] is not None:
-                if self._tickets[j] is None and self._mapped[j]():
-                    self._take_layer(out, j, rows[j], self._quick_shaped[j])
+                q = self._quick_dst[j]
+                if q is not None and q[0] is out and self._tickets[j] is None and self._mapped[j]():
+                    self._take_layer(j, rows[j], q)
                     return out
         if rows is None:
             raise InvalidArgument("fill() before push(): no pending step")
@@ -433,20 +455,12 @@ class Decoder:
             if layer is not None and layer != self.layers[0]:
                 raise InvalidArgument(f"layer {layer!r} is not the decoder's {self.layers}")
             return self._fill1(out, rows[0])
-        key = self._fill_key
+        key = self._fill_keys.get(id(out))
         if key is None or key[0] is not out or key[1] != self._pending_t:
-            check_output(out, self.pending_shape)
-            # Per layer, ``out``'s slice shaped like the layer's rows + (row_bytes,): layer i
-            # of ``[..., L, H, rb]`` (a strided view when there are several layers).
-            if len(self.stores) == 1:
-                shaped = [out]
-            else:
-                lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
-                shaped = [out[lead + (i,)] for i in range(len(self.stores))]
-            key = self._fill_key = (out, self._pending_t, shaped)
-            if self._pending_t is None:  # a step's buffer: the one-layer fast path may serve it
-                self._quick_out, self._quick_shaped = out, shaped
+            key = self._key(out, layer)
         if layer is None:
+            if key[3]:
+                raise InvalidArgument(f"a buffer of {self.layer_shape} is one layer's: pass layer=")
             which: range | tuple[int] = range(len(self.stores))
         else:
             j = self._slot_of.get(layer) if type(layer) is int else None
@@ -457,74 +471,54 @@ class Decoder:
                     )
                 j = self.layers.index(layer)
             which = (j,)
-        if self._fill_step(out, rows, which) or self._fill_direct(out, rows, which, key[2]):
+        shaped, places = key[2], key[4]
+        if self._pending_t is None:  # a step's buffer: the one-layer fast path may serve it
+            for i in which:
+                self._quick_dst[i] = (out, shaped[i], *places[i])
+        if self._fill_step(out, rows, which, key[3]) or self._fill_direct(out, rows, which, key):
             return out
-        n_layers = len(self.stores)
-        if n_layers == 1:
-            views = [out.reshape(-1, self.row_bytes)]
-        else:
-            o = out.reshape(-1, n_layers, self.n_heads * self.row_bytes)
-            views = [o[:, i] for i in range(n_layers)]
-        for i in which:
-            table = self.stores[i]
-            self.filled_rows[i], self.filled_out[i] = rows[i], out
-            store = self._local[i]
-            t = self._tickets[i]
-            resident = False
-            if t is not None:
-                self._tickets[i] = None
-                if t.cancel():  # still queued: read here
-                    self.withdrawn_fills += 1
-                else:  # running or finished: wait for it (raises its error)
-                    t.wait()
-                    if take_kept(t, rows[i], key[2][i]):  # the rows it read, no mapping
-                        self.kept_fills += 1
-                        continue
-                    # Read into the page cache with page-table entries installed: gather from
-                    # the mapping (the store's cold rule might re-read them O_DIRECT).
-                    assert store is not None
-                    resident = store.prefetcher.target == "page_cache"
-            v = views[i]
-            flat = rows[i].reshape(-1)
-            contiguous = v.flags.c_contiguous
-            if store is None:  # not a local table: its own read path
-                if contiguous:
-                    table.gather(flat, v.reshape(-1, self.row_bytes))
-                else:
-                    tmp = np.empty((flat.size, self.row_bytes), dtype=np.uint8)
-                    table.gather(flat, tmp)
-                    v[...] = tmp.reshape(v.shape)
-                continue
-            dest = v.reshape(-1, self.row_bytes) if contiguous else None
-            if dest is None:  # several layers and sequences: layer i's rows are strided
-                dest = store.scratch("decode", flat.size * self.row_bytes).reshape(
-                    -1, self.row_bytes
-                )
-            if resident:
-                # Never through the read rule: its sample would see the rows this decoder
-                # just prefetched and call a cold table resident.
-                store.gather_resident(flat, dest)
-            elif flat.size < 256:
-                store.gather_small(flat, dest)
-            else:
-                store.gather(flat, dest)
-            if not contiguous:
-                v[...] = dest.reshape(v.shape)
+        kept, withdrawn = self._reads.read(rows, which, out, key[5], shaped)
+        self.kept_fills += kept
+        self.withdrawn_fills += withdrawn
         return out
 
-    def _take_layer(self, out: np.ndarray, i: int, r: np.ndarray, shaped: np.ndarray) -> None:
-        """Layer ``i``'s rows ``r`` from its mapped table into their slice ``shaped`` of
-        ``out``: one compiled gather (`grid_taker`) that first checks an attached source's
-        size (`LocalTable.array_guard`), else the table's own check and ``np.take``. A
-        gather slow enough to have faulted is reported to the read rule and the prefetch
-        rule."""
-        tbl, off, fd, size = self._quick[i]  # type: ignore[misc]
+    def _key(self, out: Any, layer: Any) -> tuple[Any, ...]:
+        """Check ``out`` for the pending fill (`pending_shape`, or `layer_shape` with
+        ``layer``) and keep, per layer, its slice shaped like the rows + ``(rb,)``, its
+        ``[N, H * rb]`` view, and its place for the compiled gather (byte offset, stride
+        between the groups of ``H`` rows): ``(out, pending, slices, one layer's buffer,
+        places, views)``, looked up by ``id(out)`` at the next fill."""
+        n, hr = len(self.stores), self.n_heads * self.row_bytes
+        one = n > 1 and layer is not None and getattr(out, "ndim", 0) == len(self.layer_shape)
+        if one:
+            check_output(out, self.layer_shape)
+            shaped, views, places = [out] * n, [out.reshape(-1, hr)] * n, [(0, hr)] * n
+        else:
+            check_output(out, self.pending_shape)
+            # ``out``'s slice of layer i of ``[..., L, H, rb]`` (strided with several layers)
+            lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
+            shaped = [out] if n == 1 else [out[lead + (i,)] for i in range(n)]
+            o = out.reshape(-1, n, hr)
+            views = [o[:, i] for i in range(n)]
+            places = [(i * hr, n * hr) for i in range(n)]
+        if len(self._fill_keys) > 2 * n + 2:  # buffers made anew each step: keep a few
+            self._fill_keys.clear()
+        key = self._fill_keys[id(out)] = (out, self._pending_t, shaped, one, places, views)
+        return key
+
+    def _take_layer(self, i: int, r: np.ndarray, dst: tuple[Any, ...]) -> None:
+        """Layer ``i``'s rows ``r`` from its mapped table into their slice of a buffer (``dst``:
+        the buffer, the slice, its byte offset and group stride): one compiled gather
+        (`grid_taker`) that first checks an attached source's size
+        (`LocalTable.array_guard`), else the table's own check and ``np.take``. A gather
+        slow enough to have faulted is reported to the read rule and the prefetch rule."""
+        out, shaped, off, gs = dst
+        tbl, fd, size = self._quick[i]  # type: ignore[misc]
         grid = self._grid
         t0 = time.perf_counter()
         bad = -2
         if grid is not None:
-            rb, gs = self.row_bytes, self._group_stride
-            bad = grid(out, off, self.n_heads, gs, tbl, rb, r, True, fd, size)
+            bad = grid(out, off, self.n_heads, gs, tbl, self.row_bytes, r, True, fd, size)
         if bad == -2:  # no compiled loop, or the source failed the check: raises TruncatedFile
             if fd >= 0:
                 tbl = self.stores[i].array()  # type: ignore[attr-defined]
@@ -545,14 +539,14 @@ class Decoder:
         out: np.ndarray,
         rows: list[np.ndarray],
         which: range | tuple[int],
-        shaped: list[np.ndarray],
+        key: tuple[Any, ...],
     ) -> bool:
         """The resident fast path of `fill`: each layer's rows in one gather (`_take_layer`)
         from the mapping into its (possibly strided) slice of ``out``, when every layer asked
         for is one mapped array without a RAM tier and its rows are resident (a finished
         page-cache prefetch, or no prefetch while its read rule serves it from the mapping).
         False (nothing written) otherwise: the general path reads."""
-        tables = self._direct
+        tables, shaped, places = self._direct, key[2], key[4]
         for i in which:
             tbl = tables[i]
             t = self._tickets[i]
@@ -578,7 +572,7 @@ class Decoder:
                 self.filled_rows[i], self.filled_out[i] = r, out
                 self.kept_fills += 1
                 continue
-            self._take_layer(out, i, r, shaped[i])
+            self._take_layer(i, r, (out, shaped[i], *places[i]))
         return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:
@@ -593,6 +587,7 @@ class Decoder:
         for t in self._tickets:
             if t is not None:
                 t.cancel()
-        self._tickets = [None] * len(self.stores)
+        self._tickets[:] = [None] * len(self.stores)  # in place: `LayerReads` shares it
+        self._local_fresh[:] = [False] * len(self.stores)
         self._rows = None
         self._pending_t = None

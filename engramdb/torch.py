@@ -407,7 +407,6 @@ class DiskMultiHeadEmbedding(_DiskTable):
         out = dec.filled_out[self._slot]
         if want is None or out is None or want.size != ids.size:
             return None
-        h = self._n_heads
         # ids verified: every one equals the row the decoder filled (their global ids'
         # bytes against the fill's: one add and a memcmp, no numpy compare + reduction)
         glob = ids.reshape(want.shape) + self._offsets_np
@@ -419,13 +418,14 @@ class DiskMultiHeadEmbedding(_DiskTable):
             if cached[2] == ids.shape:
                 return cached[3]
         else:
-            n_layers = len(dec.layers)
-            raw = torch.from_numpy(out).view(-1, n_layers, h, self._rb)[:, self._slot]
+            lay, n = (0, 1) if out.size == want.size * self._rb else (self._slot, len(dec.layers))
+            # layer ``lay`` of ``[..., n, H, rb]`` (n = 1: a buffer of this layer's rows alone)
+            raw = torch.from_numpy(out).view(-1, n, self._n_heads, self._rb)[:, lay]
             if not self._decode.is_view:  # decoding makes a new tensor (FP8, scaled rows)
                 with torch.no_grad():
                     vals = self._decode(raw.reshape(-1, self._rb))
                 return vals.view(*ids.shape, self.codec.dim)
-            view = raw.view(self._decode.value_dtype)  # [N, H, dim]: strided, no copy
+            view = raw.view(self._decode.value_dtype)  # [N, H, dim], no copy
         shaped = view.view(*ids.shape, self.codec.dim)
         self._hot.view_cache = (out, view, ids.shape, shaped)
         return shaped

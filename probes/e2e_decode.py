@@ -41,9 +41,12 @@ started by its first cold read or prefetch, or by its first faulting mapped read
 * ``module+pf``: the same module; right after sampling, the model hashes the next token and calls
   ``module.prefetch(ids)`` for each layer, so the read overlaps the blocks before the layer.
 * ``decoder``: `Decoder(prefetch="auto")` pushed each sampled token at once (keygen + prefetch
-  submit), ``fill(buf, layer=)`` right before each layer, and the layers served from its buffer
-  by the pre-fetched-rows hook (`DiskMultiHeadEmbedding(decoder=, layer=)`, no copy; the hook
-  checks the model's ids equal the decoder's). ``decoder:on`` / ``decoder:off`` force prefetch.
+  submit; the model takes the decoder's local ids, `Decoder.local_ids`), ``fill(buf, layer=)``
+  right before each layer into a buffer of that layer's own (`Decoder.layer_shape`), and the
+  layers served from it by the pre-fetched-rows hook (`DiskMultiHeadEmbedding(decoder=,
+  layer=)`, no copy; the hook checks the model's ids equal the decoder's).
+  ``decoder:on`` / ``decoder:off`` force prefetch; ``decoder:whole`` fills each layer's
+  slice of one step buffer ``[B, L, H, rb]`` instead (strided slices for B > 1).
 
 **GPU arms** (issue 18 item 6; probes/e2e_gpu.py), run after the CPU arms where a CUDA device
 is present (otherwise skipped with the reason printed): the same model on the GPU, sized by
@@ -401,15 +404,12 @@ def child(args: argparse.Namespace) -> None:
             raise SystemExit("the host arm is a GPU arm (gpu:host)")
         tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
     elif kind.startswith("decoder"):
-        pf = {"decoder": "auto", "decoder:on": True, "decoder:off": False}[kind]
+        modes = {"decoder": "auto", "decoder:whole": "auto", "decoder:on": True}
+        pf = modes[kind] if kind in modes else {"decoder:off": False}[kind]
         dec = Decoder(stores, h, batch=b, prefetch=pf, compressed=True)
         for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
-            tables[lay] = (
-                e2e_gpu.decoder_rows_module(mods[lay], stager, i, len(ENGRAM_AFTER))
-                if gpu
-                else mods[lay]
-            )
+            tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
     else:
         for lay in ENGRAM_AFTER:
             mods[lay] = DiskMultiHeadEmbedding(stores[lay])
@@ -428,6 +428,8 @@ def child(args: argparse.Namespace) -> None:
             e2e_gpu.decoder_before_layer(d, stager, bufs)
             if gpu
             else (lambda lay: d.fill(bufs["out"], layer=lay))
+            if kind == "decoder:whole"
+            else (lambda lay: d.fill(bufs[lay], layer=lay))
         )
         fl = fill_layer
 
@@ -442,7 +444,7 @@ def child(args: argparse.Namespace) -> None:
         streams = {lay: h.stream(layer=lay, compressed=True, local=True) for lay in ENGRAM_AFTER}
         if dec is not None:
             dec.reset()
-            bufs["out"] = np.empty(dec.prefill_shape(prompt.shape[1]), np.uint8)
+            new_bufs(bufs, dec, prompt.shape[1])
         toks = np.empty((b, steps), np.int64)
         step_s = np.empty(steps)
         lookup_s = np.empty(steps)
@@ -472,7 +474,7 @@ def child(args: argparse.Namespace) -> None:
             prefill_lookup = Clock.total
             pin_engine(args)  # after the prefill: the library's threads exist by now
             if dec is not None:
-                bufs["out"] = np.empty(dec.out_shape, np.uint8)
+                new_bufs(bufs, dec)
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             Clock.parts = {}
             for s in range(steps):
@@ -551,6 +553,16 @@ def child(args: argparse.Namespace) -> None:
 
 
 _IDS: dict[int, tuple[np.ndarray, Any]] = {}
+
+
+def new_bufs(bufs: dict[Any, np.ndarray], dec: Any, t: int | None = None) -> None:
+    """The decoder arm's fill buffers for a step (``t``: a prefill of ``t`` positions):
+    ``bufs['out']`` of the whole step (every layer) and ``bufs[layer]``, one per layer, of
+    that layer's rows alone (the decoder arms but ``decoder:whole`` fill those)."""
+    shape = dec.out_shape if t is None else dec.prefill_shape(t)
+    bufs["out"] = np.empty(shape, np.uint8)
+    for lay in dec.layers:
+        bufs[lay] = np.empty(shape[:-3] + shape[-2:], np.uint8)
 
 
 def model_ids(dec: Any, lay: int, t: int) -> Any:
@@ -636,15 +648,15 @@ def paired_steps(
             self.enter()
             if self.dec is not None:
                 self.dec.reset()
-                bufs["out"] = np.empty(self.dec.prefill_shape(prompt.shape[1]), np.uint8)
+                new_bufs(bufs, self.dec, prompt.shape[1])
             self.nxt = model(torch.from_numpy(prompt), self.feed(prompt)).numpy()
             if self.dec is not None:
-                bufs["out"] = np.empty(self.dec.out_shape, np.uint8)
+                new_bufs(bufs, self.dec)
 
         def steps(self, n: int) -> float:
             self.enter()
             if self.dec is not None and bufs["out"].shape != self.dec.out_shape:
-                bufs["out"] = np.empty(self.dec.out_shape, np.uint8)
+                new_bufs(bufs, self.dec)
             total = 0.0
             for _ in range(n):
                 assert self.nxt is not None

@@ -147,7 +147,7 @@ def gpu_table_module(inner: Any, device: Any) -> Any:
     return OnDevice()
 
 
-def decoder_rows_module(hook: Any, stager: Stager, slot: int, n_layers: int) -> Any:
+def decoder_rows_module(hook: Any, stager: Stager, slot: int) -> Any:
     """The pre-fetched-rows hook on the GPU: ``hook`` (`prefetched_multi_head_embedding`)
     verifies the model's ids against the decoder's fill; when it serves the fill, the layer
     gets the device copy that `before_layer` staged right after the fill (no host copy);
@@ -164,24 +164,24 @@ def decoder_rows_module(hook: Any, stager: Stager, slot: int, n_layers: int) -> 
             rows = hook(ids)
             if hook.served_prefetched == before:
                 return rows.to(stager.device)
-            dev = stager.last[slot]  # [..., L, H, rb] on the device
-            view = dev.view(-1, n_layers, *dev.shape[-2:])[:, slot]  # [N, H, rb]
-            return view.view(rows.dtype).reshape(rows.shape)
+            dev = stager.last[slot]  # the layer's rows [..., H, rb] on the device
+            return dev.view(rows.dtype).reshape(rows.shape)
 
     return DecoderRows()
 
 
 def decoder_before_layer(dec: Any, stager: Stager, bufs: dict[str, np.ndarray]) -> Any:
     """``before_layer`` of the GPU decoder arm: fill the layer's rows into a pinned buffer of
-    the layer's own (``bufs['out']``'s shape: a fill writes its layer's slice), then stage it
-    to a device buffer of the layer's own, so the next layer's fill and copy never touch
-    memory a queued copy or kernel still reads."""
+    the layer's own (``bufs[layer]``'s shape, `Decoder.layer_shape`: that layer's rows
+    alone), then stage it to a device buffer of the layer's own, so the next layer's fill
+    and copy never touch memory a queued copy or kernel still reads, and each copy moves
+    one layer's bytes."""
     torch = stager.torch
     slot_of = {lay: i for i, lay in enumerate(dec.layers)}
 
     def before(lay: int) -> None:
         i = slot_of[lay]
-        out = stager.pinned_numpy(("out", i), bufs["out"].shape)
+        out = stager.pinned_numpy(("out", i), bufs[lay].shape)
         dec.fill(out, layer=lay)
         stager.last[i] = stager.to_device(("dec", i), torch.from_numpy(out))
 

@@ -649,3 +649,58 @@ def test_local_ids_are_the_models_per_head_ids(
         one.push(int(toks[0, 0]) if batch is None else toks[:, 0])
         want = h.local_ids(toks[:, :1], layer=5)[:, -1]
         assert np.array_equal(one.local_ids().reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("prefetch", [True, False, "auto"])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_a_buffer_per_layer_takes_that_layers_rows(
+    tmp_path: Path, rng: np.random.Generator, prefetch: bool | str, batch: int | None
+) -> None:
+    """``fill(buf, layer=)`` with ``buf`` of `layer_shape` (the pending shape less its layer
+    axis) writes that layer's rows there, contiguous: the prefill's and every step's, cold
+    (the step reader or the prefetcher) and resident (the one-gather paths), bytes equal to
+    the tables; the step's whole buffer still fills alongside."""
+    h = small_qwen(ple_layer_ids=[2, 5])
+    fulls = {lay: build_for(tmp_path, h, lay, f"e{lay}", lay) for lay in h.layers}
+    seqs = 1 if batch is None else batch
+    toks = tokens(rng, (seqs, 30))
+    with engramdb.open(tmp_path) as db:
+        if prefetch is True:  # cold: the step reader's reads (or the prefetcher's)
+            for p in tmp_path.rglob("*.edb"):
+                evict(p)
+        else:
+            for lay in h.layers:
+                db[f"e{lay}"].populate()
+        dec = Decoder({lay: db[f"e{lay}"] for lay in h.layers}, h, batch=batch, prefetch=prefetch)
+        dec.prefill(toks[0, :6] if batch is None else toks[:, :6])
+        assert dec.layer_shape == dec.prefill_shape(6)[:-3] + dec.prefill_shape(6)[-2:]
+        for lay in h.layers:
+            pre = np.empty(dec.layer_shape, np.uint8)
+            dec.fill(pre, layer=lay)
+            want = fulls[lay][h.row_ids(toks[:, :6], layer=lay)]  # [S, 6, H, rb]
+            assert np.array_equal(pre, want[0] if batch is None else want)
+        bufs: dict[int, np.ndarray] = {}
+        whole = np.empty(dec.out_shape, np.uint8)
+        for t in range(6, 30):
+            dec.push(int(toks[0, t]) if batch is None else toks[:, t])
+            if not bufs:  # a step's layer shape: [S, H, rb] ([H, rb] for one sequence)
+                bufs = {lay: np.empty(dec.layer_shape, np.uint8) for lay in h.layers}
+            for i, lay in enumerate(h.layers):
+                dec.fill(bufs[lay], layer=lay)
+                want = fulls[lay][h.row_ids(toks[:, : t + 1], layer=lay)[:, -1]]  # [S, H, rb]
+                got = bufs[lay]
+                assert np.array_equal(got if batch is not None else got[None], want), (t, lay)
+                if t % 5 == 0:  # the whole step's buffer, filled from the same step
+                    dec.fill(whole, layer=lay)
+                    part = whole[:, i] if batch is not None else whole[i][None]
+                    assert np.array_equal(part, want)
+        if prefetch is False:
+            assert dec.direct_fills > 0
+        with pytest.raises(InvalidArgument, match="pass layer="):
+            dec.fill(bufs[2])
+        with pytest.raises(ShapeMismatch):
+            dec.fill(np.empty(dec.layer_shape[:-1] + (8,), np.uint8), layer=2)
+        with pytest.raises(InvalidArgument, match="not one of"):
+            dec.fill(bufs[2], layer=4)
+        one = Decoder(db["e5"], h, layer=5, batch=batch)
+        assert one.layer_shape == one.out_shape

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_keygen_props import SETTINGS, _oracle_for, geometries
 
 from engramdb import keygen
-from engramdb.errors import TokenIdOutOfRange
+from engramdb.errors import ShapeMismatch, TokenIdOutOfRange
 from engramdb.keygen import _core, native
 
 built = pytest.mark.skipif(native._native is None, reason="keygen's compiled loop not built")
@@ -259,6 +259,74 @@ def test_decode_steps_take_the_compiled_step(
         assert g.dtype == np.int64 and g.shape == w.shape and np.array_equal(g, w)
     assert np.array_equal(np.concatenate(got, axis=1), full)
     assert all(np.array_equal(x, y) for x, y in zip(st.history, ref.history))
+
+
+@pytest.mark.parametrize("name", [k[0] for k in KINDS])
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+def test_a_push_also_gives_the_local_ids(
+    name: str, compiled: bool, local: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``push(..., local_out=)`` writes the per-head local ids (the rows less each head's
+    offset) into ``local_out``: in the compiled decode step's own pass where it serves,
+    else by a subtraction (a prefill chunk, a scalar, another dtype, the numpy kernel),
+    equal to `Hasher.local_ids` of the whole stream; the rows are unchanged."""
+    _, h, compressed, bound = next(k for k in KINDS if k[0] == name)
+    if not compiled:
+        monkeypatch.setattr(native, "_enabled", False)
+    rng = np.random.default_rng(5)
+    b, layer = 4, h.layers[-1]
+    toks = rng.integers(0, bound, (b, 20))
+    full_rows = h.row_ids(toks, layer=layer, compressed=compressed)
+    full_local = h.local_ids(toks, layer=layer, compressed=compressed)
+    st = h.stream(layer=layer, compressed=compressed, local=local)
+    lo = np.full((b, 5, st.n_heads), -7, np.int64)
+    rows = st.push(toks[:, :5], local_out=lo)  # a prefill chunk
+    assert np.array_equal(lo, full_local[:, :5])
+    assert np.array_equal(rows, (full_local if local else full_rows)[:, :5])
+    step = np.full((b, st.n_heads), -7, np.int64)
+    for t in range(5, 15):
+        tok = np.ascontiguousarray(toks[:, t : t + 1])
+        if t >= 12:
+            tok = tok.astype(np.int32)  # the general path
+        rows = st.push(tok, local_out=step)
+        assert np.array_equal(step, full_local[:, t]), t
+        assert np.array_equal(rows[:, 0], (full_local if local else full_rows)[:, t])
+    step_kind = name != "qwen"
+    assert st.native_steps == (7 if compiled and step_kind and native._native else 0)
+    one = h.stream(layer=layer, compressed=compressed)  # one sequence, scalar pushes
+    lo1 = np.empty(st.n_heads, np.int64)
+    for t in range(4):
+        one.push(int(toks[0, t]), local_out=lo1)
+        assert np.array_equal(lo1, full_local[0, t])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_bad_local_out_is_refused_before_the_stream_moves(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = keygen.preset("deepseek-engram-demo", compressed_vocab_size=500, compressed_pad_id=2)
+    if not compiled:
+        monkeypatch.setattr(native, "_enabled", False)
+    layer = h.layers[0]
+    st = h.stream(layer=layer, compressed=True)
+    st.push(np.array([[3, 4], [5, 6]]))
+    n = st.n_heads
+    ro = np.zeros((2, n), np.int64)
+    ro.flags.writeable = False
+    bad = [
+        np.zeros((2, n), np.int32),  # dtype
+        np.zeros((2, n + 1), np.int64),  # size
+        np.zeros((2, 2 * n), np.int64)[:, ::2],  # strided
+        ro,  # read-only
+        [0] * (2 * n),  # not an array
+    ]
+    for out in bad:
+        before, pos = st.history, st.position
+        with pytest.raises(ShapeMismatch, match="local_out"):
+            st.push(np.array([[7], [8]]), local_out=out)  # type: ignore[arg-type]
+        assert st.position == pos
+        assert all(np.array_equal(x, y) for x, y in zip(st.history, before))
 
 
 @built

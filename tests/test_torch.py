@@ -195,6 +195,42 @@ def test_hook_serves_the_decoders_fill_without_a_copy(tmp_path: Path) -> None:
         assert all(hk.served_prefetched == 9 and hk.served_read == 0 for hk in hooks.values())
 
 
+def test_hook_serves_a_buffer_per_layer_contiguous(tmp_path: Path) -> None:
+    """Fills into one buffer per layer (`Decoder.layer_shape`): the hook hands the model
+    that layer's rows as a contiguous view of its buffer, fed the decoder's own local ids
+    (`Decoder.local_ids`, written by the keygen's compiled step): values equal engram-peft's
+    in-memory module at the prefill and every step."""
+    from engramdb.decode import Decoder
+    from engramdb.torch import prefetched_multi_head_embedding
+
+    h, mods = _peft_tables(tmp_path)
+    toks = np.random.default_rng(4).integers(0, 100, (3, 20))
+    with engramdb.open(tmp_path) as db:
+        dec = Decoder({1: db["l1"], 3: db["l3"]}, h, batch=3, compressed=True)
+        hooks = {lay: prefetched_multi_head_embedding(dec, lay) for lay in (1, 3)}
+        dec.prefill(toks[:, :8])
+        for lay, hook in hooks.items():
+            pre = np.empty(dec.layer_shape, np.uint8)  # [3, 8, H, rb]
+            dec.fill(pre, layer=lay)
+            local = torch.from_numpy(dec.local_ids(lay))
+            got = hook(local)
+            assert got.is_contiguous() and got.data_ptr() == pre.ctypes.data
+            assert torch.equal(got, mods[lay].multi_head_embedding(local))
+        bufs = {}
+        for t in range(8, 20):
+            dec.push(toks[:, t])
+            for lay, hook in hooks.items():
+                buf = bufs.setdefault(lay, np.empty(dec.layer_shape, np.uint8))  # [3, H, rb]
+                dec.fill(buf, layer=lay)
+                local = torch.from_numpy(dec.local_ids(lay)).view(3, 1, -1)
+                want = h.local_ids(toks[:, : t + 1], layer=lay)[:, -1:]
+                assert np.array_equal(local.numpy(), want)
+                got = hook(local)
+                assert got.is_contiguous() and got.data_ptr() == buf.ctypes.data
+                assert torch.equal(got, mods[lay].multi_head_embedding(local))
+        assert all(hk.served_prefetched == 13 and hk.served_read == 0 for hk in hooks.values())
+
+
 def test_hook_falls_back_to_a_read_when_the_ids_differ(tmp_path: Path) -> None:
     from engramdb.decode import Decoder
     from engramdb.torch import DiskMultiHeadEmbedding

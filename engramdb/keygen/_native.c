@@ -91,9 +91,11 @@ static int consts_load(consts_t *c, PyObject *o_mult, PyObject *o_step, PyObject
     return 0;
 }
 
-/* One position's row ids into o[C]: tok[b] is the (fill-blocked) id b back, tok[0] the
+/* One position's row ids into o[C] (and, where lo is not NULL, its local ids, the rows less
+ * the heads' offsets, into lo[C]): tok[b] is the (fill-blocked) id b back, tok[0] the
  * position's own; peft: term j is the id N-1-j back (engram-peft), else j back (DeepSeek). */
-static inline void hash_position(const consts_t *c, const uint64_t *tok, int peft, int64_t *o) {
+static inline void hash_position(const consts_t *c, const uint64_t *tok, int peft, int64_t *o,
+                                 int64_t *lo) {
     Py_ssize_t n_max = c->n_max;
     uint64_t acc = 0;
     for (Py_ssize_t j = 0; j < n_max; j++) {
@@ -106,6 +108,7 @@ static inline void hash_position(const consts_t *c, const uint64_t *tok, int pef
                 int64_t r = mix % c->primes[i];
                 if (r < 0) r += c->primes[i];
                 o[i] = c->off ? r + c->off[i] : r;
+                if (lo) lo[i] = r;
             }
         }
     }
@@ -193,7 +196,7 @@ static PyObject *rows(PyObject *self, PyObject *args) {
                 int64_t id = q < h ? hs[q] : is[q - h];
                 tok[b] = blocked ? (uint64_t)fill : (uint64_t)id;
             }
-            hash_position(&c, tok, peft, out + (s * n_pos + t) * cols);
+            hash_position(&c, tok, peft, out + (s * n_pos + t) * cols, NULL);
         }
         /* the look-back after the push: the last N-1 of [history, pushed] */
         for (Py_ssize_t i = 0; i < h; i++) {
@@ -211,21 +214,25 @@ done:
 }
 
 /* step(ids, hist_ids, hist_bar, out, mult, primes, offsets, group_step, heads, fill, peft,
- *      check, lo, hi) -> int
+ *      check, lo, hi, local=None) -> int
  *   One decode step: one position per sequence, no barrier or dead flags (the DeepSeek and
  *   engram-peft kinds without a mask). ids: int64 [S]; hist_ids / hist_bar: the look-back
- *   ([S, N-1], oldest first), advanced in place; out: int64 [S, C]. With check, every id
- *   must lie in [lo, hi): the index of the first that does not is returned before anything
- *   is written; -1 once the step is done. The arithmetic is rows()'s for T = 1. */
+ *   ([S, N-1], oldest first), advanced in place; out: int64 [S, C]; local (or None): int64
+ *   [S, C], the same ids less the offsets (a model's per-head ids), in the same pass. With
+ *   check, every id must lie in [lo, hi): the index of the first that does not is returned
+ *   before anything is written; -1 once the step is done. The arithmetic is rows()'s for
+ *   T = 1. */
 static PyObject *step(PyObject *self, PyObject *args) {
     PyObject *o_ids, *o_hid, *o_hbar, *o_out, *o_mult, *o_primes, *o_off, *o_step;
+    PyObject *o_local = Py_None;
     Py_ssize_t heads;
     long long fill, lo, hi;
     int peft, check;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOnLppLL", &o_ids, &o_hid, &o_hbar, &o_out, &o_mult,
-                          &o_primes, &o_off, &o_step, &heads, &fill, &peft, &check, &lo, &hi))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnLppLL|O", &o_ids, &o_hid, &o_hbar, &o_out, &o_mult,
+                          &o_primes, &o_off, &o_step, &heads, &fill, &peft, &check, &lo, &hi,
+                          &o_local))
         return NULL;
-    Py_buffer v[8];
+    Py_buffer v[9];
     int held = 0;
     PyObject *result = NULL;
     consts_t c;
@@ -244,6 +251,11 @@ static PyObject *step(PyObject *self, PyObject *args) {
     uint8_t *hbar = (uint8_t *)v[held - 1].buf;
     GET(o_out, n_seq * cols * 8, 1, "out");
     int64_t *out = (int64_t *)v[held - 1].buf;
+    int64_t *local = NULL;
+    if (o_local != Py_None) {
+        GET(o_local, n_seq * cols * 8, 1, "local");
+        local = (int64_t *)v[held - 1].buf;
+    }
     if (check) {
         for (Py_ssize_t s = 0; s < n_seq; s++) {
             if (ids[s] < lo || ids[s] >= hi) {
@@ -263,7 +275,7 @@ static PyObject *step(PyObject *self, PyObject *args) {
             blocked = blocked || hb[q] != 0;
             tok[b] = blocked ? (uint64_t)fill : (uint64_t)hs[q];
         }
-        hash_position(&c, tok, peft, out + s * cols);
+        hash_position(&c, tok, peft, out + s * cols, local ? local + s * cols : NULL);
         /* advance the look-back: drop the oldest, append this position (no barrier) */
         for (Py_ssize_t i = 0; i + 1 < h; i++) {
             hs[i] = hs[i + 1];
@@ -286,8 +298,9 @@ static PyMethodDef methods[] = {
      "look-back, and the look-back after them."},
     {"step", step, METH_VARARGS,
      "step(ids, hist_ids, hist_bar, out, mult, primes, offsets, group_step, heads, fill,\n"
-     "     peft, check, lo, hi) -> int. One position per sequence, look-back advanced in\n"
-     "place; the index of the first id outside [lo, hi) (nothing written), else -1."},
+     "     peft, check, lo, hi, local=None) -> int. One position per sequence, look-back\n"
+     "advanced in place (and its local ids into local); the index of the first id outside\n"
+     "[lo, hi) (nothing written), else -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,4 +33,5 @@ def step(
     check: bool,
     lo: int,
     hi: int,
+    local: ndarray | None = None,
 ) -> int: ...

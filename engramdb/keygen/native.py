@@ -120,16 +120,18 @@ def native_rows(
     return new_ids, new_bar
 
 
-#: ``step(ids [S], hist_ids [S, N-1], hist_bar [S, N-1], out [S, C]) -> int``: see `native_step`.
-NativeStep = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]
+#: ``step(ids [S], hist_ids [S, N-1], hist_bar [S, N-1], out [S, C], local_out=None) -> int``:
+#: see `native_step`.
+NativeStep = Callable[..., int]
 
 
 def native_step(lt: LayerTables, fill: int, local: bool, bound: int | None) -> NativeStep:
     """The compiled one-position decode step of layer ``lt`` (call only where `native_fits`),
-    its constants bound: ``step(ids, hist_ids, hist_bar, out)`` hashes int64 ``ids`` ``[S]``
-    (one new position per sequence, unmasked) after the look-back ``hist_ids`` /
-    ``hist_bar`` ``[S, N-1]``, which it advances in place, into ``out`` ``[S, C]`` (local
-    ids when ``local``). With ``bound``, every id must lie in ``[0, bound)``: the index of
+    its constants bound: ``step(ids, hist_ids, hist_bar, out, local_out=None)`` hashes int64
+    ``ids`` ``[S]`` (one new position per sequence, unmasked) after the look-back
+    ``hist_ids`` / ``hist_bar`` ``[S, N-1]``, which it advances in place, into ``out``
+    ``[S, C]`` (local ids when ``local``), and the local ids into ``local_out`` in the same
+    pass where given. With ``bound``, every id must lie in ``[0, bound)``: the index of
     the first that does not comes back before anything is written; -1 when done."""
     assert _native is not None
     fn = _native.step
@@ -138,7 +140,13 @@ def native_step(lt: LayerTables, fill: int, local: bool, bound: int | None) -> N
     heads, peft = lt.heads_per_ngram, lt.peft_orders is not None
     check, hi = bound is not None, 0 if bound is None else int(bound)
 
-    def step(ids: np.ndarray, hist_ids: np.ndarray, hist_bar: np.ndarray, out: np.ndarray) -> int:
+    def step(
+        ids: np.ndarray,
+        hist_ids: np.ndarray,
+        hist_bar: np.ndarray,
+        out: np.ndarray,
+        local_out: np.ndarray | None = None,
+    ) -> int:
         return fn(
             ids,
             hist_ids,
@@ -154,6 +162,7 @@ def native_step(lt: LayerTables, fill: int, local: bool, bound: int | None) -> N
             check,
             0,
             hi,
+            local_out,
         )  # type: ignore[no-any-return]
 
     return step

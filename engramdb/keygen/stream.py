@@ -134,10 +134,15 @@ class KeyStream:
                 f"stream holds sequences of batch shape {self.batch_shape}, pushed {batch}"
             )
 
-    def push(self, token_ids: Any, *, mask: Any = None) -> np.ndarray:
+    def push(
+        self, token_ids: Any, *, mask: Any = None, local_out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Row ids (int64 ``[*batch, T, n_heads]``; ``[n_heads]`` for a scalar) of the tokens.
 
         ``mask`` (bool like ``token_ids``) marks dead positions, with the hasher's rules.
+        ``local_out`` (C-contiguous int64 of as many ids) also receives the per-head local
+        ids (the rows less each head's offset: what a model's multi-head embedding takes),
+        in the compiled step's own pass where it serves, else by one subtraction.
         Advances every sequence by T tokens.
         """
         step = self._native
@@ -148,15 +153,54 @@ class KeyStream:
             and token_ids.shape == self._native_in
             and token_ids.dtype is _INT64
             and token_ids.flags.c_contiguous
+            and (
+                local_out is None
+                or (
+                    type(local_out) is np.ndarray
+                    and local_out.dtype is _INT64
+                    and local_out.size == token_ids.size * self.n_heads
+                )
+            )
         ):
             rows = np.empty(self._native_out, dtype=np.int64)
             assert self._np_ids is not None and self._np_bar is not None
-            if step(token_ids, self._np_ids, self._np_bar, rows) < 0:
+            try:  # the compiled step checks local_out's layout before it hashes
+                done = step(token_ids, self._np_ids, self._np_bar, rows, local_out) < 0
+            except (ValueError, BufferError) as e:
+                raise ShapeMismatch(f"local_out is not writable C-contiguous: {e}") from None
+            if done:
                 self.position += 1
                 self.native_steps += 1
                 kernel_stats["native_positions"] += token_ids.size
                 return rows
             # an id outside the vocabulary (nothing written): the general path raises
+        if local_out is not None and not self._fits(local_out, int(np.size(token_ids))):
+            raise ShapeMismatch(
+                f"local_out must be writable C-contiguous int64 of {np.size(token_ids)} x "
+                f"{self.n_heads} ids, got {getattr(local_out, 'dtype', type(local_out).__name__)}"
+                f" {getattr(local_out, 'shape', '')}"
+            )
+        rows = self._push(token_ids, mask)
+        if local_out is not None:
+            dst = local_out.reshape(rows.shape)
+            if self.local:
+                np.copyto(dst, rows)
+            else:
+                np.subtract(rows, self._lt.offsets, out=dst)
+        return rows
+
+    def _fits(self, out: Any, positions: int) -> bool:
+        """Whether ``out`` can take the local ids of ``positions`` positions."""
+        return (
+            type(out) is np.ndarray
+            and out.dtype is _INT64
+            and out.size == positions * self.n_heads
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        )
+
+    def _push(self, token_ids: Any, mask: Any) -> np.ndarray:
+        """`push` past the compiled step (scalars, chunks, masks, the numpy kernel)."""
         if type(token_ids) is int or (
             isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, bool)
         ):
@@ -168,7 +212,7 @@ class KeyStream:
             return rows
         arr = as_token_array(token_ids, allow_scalar=True)
         if arr.ndim == 0:
-            return self.push(int(arr), mask=mask)
+            return self._push(int(arr), mask)
         batch = arr.shape[:-1]
         self._bind(batch)
         if arr.size == 1 and self._np_ids is None:
