@@ -457,7 +457,7 @@ class Decoder:
             return self._fill1(out, rows[0])
         key = self._fill_keys.get(id(out))
         if key is None or key[0] is not out or key[1] != self._pending_t:
-            key = self._key(out, layer)
+            key = self._key(out)
         if layer is None:
             if key[3]:
                 raise InvalidArgument(f"a buffer of {self.layer_shape} is one layer's: pass layer=")
@@ -482,14 +482,14 @@ class Decoder:
         self.withdrawn_fills += withdrawn
         return out
 
-    def _key(self, out: Any, layer: Any) -> tuple[Any, ...]:
-        """Check ``out`` for the pending fill (`pending_shape`, or `layer_shape` with
-        ``layer``) and keep, per layer, its slice shaped like the rows + ``(rb,)``, its
+    def _key(self, out: Any) -> tuple[Any, ...]:
+        """Check ``out`` for the pending fill (`pending_shape`, or `layer_shape`: a buffer of
+        one layer's rows) and keep, per layer, its slice shaped like the rows + ``(rb,)``, its
         ``[N, H * rb]`` view, and its place for the compiled gather (byte offset, stride
         between the groups of ``H`` rows): ``(out, pending, slices, one layer's buffer,
         places, views)``, looked up by ``id(out)`` at the next fill."""
         n, hr = len(self.stores), self.n_heads * self.row_bytes
-        one = n > 1 and layer is not None and getattr(out, "ndim", 0) == len(self.layer_shape)
+        one = n > 1 and getattr(out, "ndim", 0) == len(self.layer_shape)  # one layer's buffer
         if one:
             check_output(out, self.layer_shape)
             shaped, views, places = [out] * n, [out.reshape(-1, hr)] * n, [(0, hr)] * n

@@ -698,6 +698,8 @@ def test_a_buffer_per_layer_takes_that_layers_rows(
             assert dec.direct_fills > 0
         with pytest.raises(InvalidArgument, match="pass layer="):
             dec.fill(bufs[2])
+        with pytest.raises(InvalidArgument, match="pass layer="):
+            dec.fill(np.empty(dec.layer_shape, np.uint8))  # a new one, too
         with pytest.raises(ShapeMismatch):
             dec.fill(np.empty(dec.layer_shape[:-1] + (8,), np.uint8), layer=2)
         with pytest.raises(InvalidArgument, match="not one of"):
