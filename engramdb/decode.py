@@ -278,10 +278,7 @@ class Decoder:
     def _push1(self, token_ids: Any) -> list[np.ndarray]:
         if type(token_ids) is not int:
             token_ids = one_token(token_ids)
-        lo = self._local_ids[0] if self._want_local else None
-        self._local_fresh[0] = False
-        r = self._streams[0].push(token_ids, local_out=lo)
-        self._local_fresh[0] = lo is not None
+        r = self._push_layer(0, token_ids, self.n_heads)
         jobs: list[Any] = []
         self._submit(0, r, jobs)
         self._flush(jobs)
@@ -295,14 +292,9 @@ class Decoder:
         rows = []
         jobs: list[Any] = []
         rule, tickets, now = self.rule, self._tickets, time.monotonic()
-        n, fresh = self.n_heads * (tok.size if type(tok) is np.ndarray else 1), self._local_fresh
-        for i, st in enumerate(self._streams):
-            lo = self._local_ids[i] if self._want_local else None
-            if lo is not None and lo.size != n:
-                lo = None  # a prefill's buffer, or a step's after a prefill: `local_ids` makes one
-            fresh[i] = False
-            r = st.push(tok, local_out=lo)
-            fresh[i] = lo is not None
+        n = self.n_heads * (tok.size if type(tok) is np.ndarray else 1)
+        for i in range(len(self._streams)):
+            r = self._push_layer(i, tok, n)
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
@@ -311,6 +303,18 @@ class Decoder:
                 self._submit(i, r.reshape(-1), jobs)
         self._flush(jobs)
         return self._stepped(rows, pending_t)
+
+    def _push_layer(self, i: int, tok: Any, n: int) -> np.ndarray:
+        """Layer ``i``'s keygen push of ``tok`` (``n`` row ids), writing the layer's local
+        ids into `local_ids`' buffer too once they are wanted and the buffer holds ``n``
+        (a prefill's, or a step's after a prefill, does not: `local_ids` makes one)."""
+        lo = self._local_ids[i] if self._want_local else None
+        if lo is not None and lo.size != n:
+            lo = None
+        self._local_fresh[i] = False
+        r = self._streams[i].push(tok, local_out=lo)
+        self._local_fresh[i] = lo is not None
+        return r
 
     def local_ids(self, layer: int | None = None) -> np.ndarray:
         """The pending step's (or prefill's) row ids of ``layer`` (None: a single layer) less
@@ -471,13 +475,12 @@ class Decoder:
                     )
                 j = self.layers.index(layer)
             which = (j,)
-        shaped, places = key[2], key[4]
         if self._pending_t is None:  # a step's buffer: the one-layer fast path may serve it
             for i in which:
-                self._quick_dst[i] = (out, shaped[i], *places[i])
+                self._quick_dst[i] = key[4][i]
         if self._fill_step(out, rows, which, key[3]) or self._fill_direct(out, rows, which, key):
             return out
-        kept, withdrawn = self._reads.read(rows, which, out, key[5], shaped)
+        kept, withdrawn = self._reads.read(rows, which, out, key[5], key[2])
         self.kept_fills += kept
         self.withdrawn_fills += withdrawn
         return out
@@ -485,14 +488,15 @@ class Decoder:
     def _key(self, out: Any) -> tuple[Any, ...]:
         """Check ``out`` for the pending fill (`pending_shape`, or `layer_shape`: a buffer of
         one layer's rows) and keep, per layer, its slice shaped like the rows + ``(rb,)``, its
-        ``[N, H * rb]`` view, and its place for the compiled gather (byte offset, stride
-        between the groups of ``H`` rows): ``(out, pending, slices, one layer's buffer,
-        places, views)``, looked up by ``id(out)`` at the next fill."""
+        ``[N, H * rb]`` view, and its destination for `_take_layer` (``out``, the slice, its
+        byte offset, the stride between groups of ``H`` rows): ``(out, pending, slices, one
+        layer's buffer, destinations, views)``, looked up by ``id(out)`` at the next fill."""
         n, hr = len(self.stores), self.n_heads * self.row_bytes
         one = n > 1 and getattr(out, "ndim", 0) == len(self.layer_shape)  # one layer's buffer
         if one:
             check_output(out, self.layer_shape)
-            shaped, views, places = [out] * n, [out.reshape(-1, hr)] * n, [(0, hr)] * n
+            shaped, views = [out] * n, [out.reshape(-1, hr)] * n
+            dsts = [(out, out, 0, hr)] * n
         else:
             check_output(out, self.pending_shape)
             # ``out``'s slice of layer i of ``[..., L, H, rb]`` (strided with several layers)
@@ -500,10 +504,10 @@ class Decoder:
             shaped = [out] if n == 1 else [out[lead + (i,)] for i in range(n)]
             o = out.reshape(-1, n, hr)
             views = [o[:, i] for i in range(n)]
-            places = [(i * hr, n * hr) for i in range(n)]
+            dsts = [(out, shaped[i], i * hr, n * hr) for i in range(n)]
         if len(self._fill_keys) > 2 * n + 2:  # buffers made anew each step: keep a few
             self._fill_keys.clear()
-        key = self._fill_keys[id(out)] = (out, self._pending_t, shaped, one, places, views)
+        key = self._fill_keys[id(out)] = (out, self._pending_t, shaped, one, dsts, views)
         return key
 
     def _take_layer(self, i: int, r: np.ndarray, dst: tuple[Any, ...]) -> None:
@@ -546,7 +550,7 @@ class Decoder:
         for is one mapped array without a RAM tier and its rows are resident (a finished
         page-cache prefetch, or no prefetch while its read rule serves it from the mapping).
         False (nothing written) otherwise: the general path reads."""
-        tables, shaped, places = self._direct, key[2], key[4]
+        tables, shaped = self._direct, key[2]
         for i in which:
             tbl = tables[i]
             t = self._tickets[i]
@@ -572,7 +576,7 @@ class Decoder:
                 self.filled_rows[i], self.filled_out[i] = r, out
                 self.kept_fills += 1
                 continue
-            self._take_layer(i, r, (out, shaped[i], *places[i]))
+            self._take_layer(i, r, key[4][i])
         return True
 
     def step(self, token_ids: Any, out: np.ndarray) -> np.ndarray:

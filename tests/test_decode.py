@@ -649,6 +649,14 @@ def test_local_ids_are_the_models_per_head_ids(
         one.push(int(toks[0, 0]) if batch is None else toks[:, 0])
         want = h.local_ids(toks[:, :1], layer=5)[:, -1]
         assert np.array_equal(one.local_ids().reshape(want.shape), want)
+        # a prefill's ids, then steps: the prefill's buffer never takes a step's ids
+        one.prefill(toks[0, 1:4] if batch is None else toks[:, 1:4])
+        want = h.local_ids(toks[:, :4], layer=5)[:, 1:]
+        assert np.array_equal(one.local_ids().reshape(want.shape), want)
+        for t in range(4, 7):
+            one.push(int(toks[0, t]) if batch is None else toks[:, t])
+            want = h.local_ids(toks[:, : t + 1], layer=5)[:, -1]
+            assert np.array_equal(one.local_ids().reshape(want.shape), want), t
 
 
 @pytest.mark.parametrize("prefetch", [True, False, "auto"])
