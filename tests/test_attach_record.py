@@ -238,8 +238,21 @@ def test_fetch_into_fast_path_of_column_split_rows(
             assert st.fetch_into(ids, out) is out
             assert np.array_equal(out, want[ids])
         assert st._fast_counts["calls"] == calls + 2  # both served by the fast path
-        with pytest.raises(engramdb.errors.RowIdOutOfRange, match=str(n)):
-            st.fetch_into(np.array([0, n] * 200), np.empty((400, 264), np.uint8))
+        # the ids are checked by the compiled gather itself (no numpy pass over them first):
+        # an id out of range, small batch or large (split across the pool where it may), at
+        # either end, raises naming it and its place, and leaves ``out`` untouched
+        for size, bad in ((400, n), (400, -1), (6000, n), (6000, -3)):
+            ids = rng.integers(0, n, size)
+            ids[size - 7] = bad
+            out = np.full((size, 264), 0xAB, np.uint8)
+            with pytest.raises(
+                engramdb.errors.RowIdOutOfRange, match=rf"{bad} at position {size - 7} "
+            ):
+                st.fetch_into(ids, out)
+            assert (out == 0xAB).all()
+        ids = rng.integers(0, n, 6000)
+        out = np.empty((6000, 264), np.uint8)
+        assert np.array_equal(st.fetch_into(ids, out), want[ids])
         with open(src, "r+b") as f:
             f.truncate(4096)
         with pytest.raises(TruncatedFile, match="truncated while open"):

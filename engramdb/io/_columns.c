@@ -98,7 +98,8 @@ static int table_ids_out(PyObject *table, PyObject *ids, PyObject *out, Py_buffe
 }
 
 /* take(out, ids, columns) -> -1 when every id was in range, else the position of the first
- * id out of range of some column (rows before it are written, none after).
+ * id out of range of some column (every id is checked first: then nothing is written, so a
+ * caller may leave the bounds check to this call).
  *   out:     writable C-contiguous buffer of len(ids) * row_bytes bytes
  *   ids:     C-contiguous buffer of int64 row ids
  *   columns: sequence of (source, width) in row order: source a C-contiguous buffer of
@@ -171,19 +172,19 @@ static PyObject *take(PyObject *self, PyObject *args) {
     Py_ssize_t n = ids_view->len / 8;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
-    if (k == 1 && cols[0].stride == cols[0].width && cols[0].width == row_bytes) {
-        bad = take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n, 1);
-        goto done;
-    }
     Py_ssize_t rows = cols[0].rows;
     for (Py_ssize_t c = 1; c < k; c++)
         if (cols[c].rows < rows) rows = cols[c].rows;
     for (Py_ssize_t i = 0; i < n; i++)
         if ((uint64_t)ids[i] >= (uint64_t)rows) {
             bad = i;
-            n = i; /* rows before the bad id are written, none after */
+            n = 0; /* nothing written */
             break;
         }
+    if (bad < 0 && k == 1 && cols[0].stride == cols[0].width && cols[0].width == row_bytes) {
+        take_one(out, cols[0].base, cols[0].rows, cols[0].width, ids, n, 1);
+        goto done;
+    }
     /* source by source within chunks of CHUNK rows (their output lines stay in L1/L2
      * between the sources' passes): each pass is one source's gather with its own prefetch
      * stream, so a narrow column's misses do not queue behind a wide one's; columns of one
@@ -427,7 +428,8 @@ static PyMethodDef methods[] = {
      "rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus\n"
      "their head's offset equal the global row ids of rows (offsets: H int64 as bytes)."},
     {"take", take, METH_VARARGS,
-     "take(out, ids, columns) -> -1, or the position of the first id out of range.\n"
+     "take(out, ids, columns) -> -1, or the position of the first id out of range (then\n"
+     "nothing is written).\n"
      "Rows of int64 ids assembled from (source, width) or (source, width, stride, skip, dst)\n"
      "columns into out."},
     {NULL, NULL, 0, NULL},

@@ -72,7 +72,8 @@ def take_columns(
     ``stride``-byte row of ``source`` go to byte ``dst`` of an output row (bytes no column
     names are left alone). Sources are C-contiguous arrays of whole rows. False (nothing
     written) when the compiled loop is not available or an array is not contiguous; raises
-    `RowIdOutOfRange` for an id past a column's rows (rows before it are written)."""
+    `RowIdOutOfRange` for an id past a column's rows (every id is checked first: nothing is
+    written then)."""
     if not native_enabled():
         return False
     if not (ids.dtype == np.int64 and ids.flags.c_contiguous and out2d.flags.c_contiguous):

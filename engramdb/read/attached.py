@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engramdb.errors import StoreClosed, TruncatedFile
-from engramdb.io.columns import take_columns
+from engramdb.io.columns import native_enabled, take_columns
 from engramdb.io.gather import PARALLEL_MIN_BYTES, SplitDecision, run_split
 from engramdb.io.mapping import (
     MADV_RANDOM,
@@ -57,6 +57,7 @@ from engramdb.layouts.geometry import PAGE
 from engramdb.layouts.manifest import TableInfo
 from engramdb.read.plan import ReadPlan
 from engramdb.read.resident import RESIDENT_ENV, ResidentRecord, Spec, resident_budget
+from engramdb.validate import check_bounds
 
 __all__ = ["CHUNK_ROWS", "RESIDENT_ENV", "SourceSegments", "resident_budget"]
 
@@ -203,6 +204,8 @@ class SourceSegments:
             self._wide_resident,
         )
         self._specs: tuple[tuple[bool, bool], list[Spec]] | None = None
+        #: Every column one run: a batch's runs and files are known without looking.
+        self._one_run = all(len(c.arrays) == 1 for c in self.columns)
         self._split = SplitDecision()
         self._bufs = threading.local()
         #: One row as a structured dtype with a ``V{width}`` field per column.
@@ -283,29 +286,49 @@ class SourceSegments:
             setattr(self._bufs, key, b)
         return b[:rows]  # type: ignore[no-any-return]
 
-    def take(self, flat: np.ndarray, out2d: np.ndarray) -> None:
-        """Rows of validated ids from the mappings (and resident columns), after `guard` of
-        the files the batch touches: one gather per column and chunk (see the module
-        docstring); a large batch split across the gather pool while that pays."""
+    @property
+    def checks_ids(self) -> bool:
+        """Whether `take` assembles every batch in the compiled gather, which checks every id
+        before it writes a byte (`take_columns`): rows from several columns, each one run.
+        Its caller may then hand it unchecked ids (``checked=False``)."""
+        return self.single is None and self._one_run and native_enabled()
+
+    def take(
+        self, flat: np.ndarray, out2d: np.ndarray, *, checked: bool = True, guarded: bool = False
+    ) -> None:
+        """Rows of ids from the mappings (and resident columns), after `guard` of the files
+        the batch touches (``guarded``: the caller just did): one gather per column and chunk
+        (see the module docstring); a large batch split across the gather pool while that
+        pays. Ids are validated by the caller, or (``checked=False``, only where `checks_ids`)
+        here: `RowIdOutOfRange` with nothing written."""
         if self.single is not None:
-            self.guard(self._single_file)
+            if not guarded:
+                self.guard(self._single_file)
             self._split.take(self.single, flat, out2d)
             return
         self.record.start()
-        runs = [c.runs_of(flat) for c in self.columns]
-        self.guard(sorted({f for c, r in zip(self.columns, runs) for f in c.files_of(r)}))
+        if self._one_run:
+            runs: list[np.ndarray | None] = [None] * len(self.columns)
+            if not guarded:
+                self.guard(sorted({int(c.file[0]) for c in self.columns if c.resident is None}))
+        else:
+            runs = [c.runs_of(flat) for c in self.columns]
+            self.guard(sorted({f for c, r in zip(self.columns, runs) for f in c.files_of(r)}))
         if len(self.columns) == 1:
             self.columns[0].take(flat, out2d, runs[0])
             return
-        n = flat.size
-
-        def part(lo: int, hi: int) -> None:
-            self._take_chunks(flat, out2d, runs, lo, hi)
-
-        if n * self.row_bytes < PARALLEL_MIN_BYTES:
-            part(0, n)
+        n = flat.shape[0]
+        if n * self.row_bytes < PARALLEL_MIN_BYTES or not self._split.allowed:
+            self._take_chunks(flat, out2d, runs, 0, n, checked)  # this thread: nothing to time
             return
         split = self._split.pick()
+        if split and not checked:
+            check_bounds(flat, self.n_rows)  # the parts gather apart: all checked first
+            checked = True
+
+        def part(lo: int, hi: int) -> None:
+            self._take_chunks(flat, out2d, runs, lo, hi, checked)
+
         t0 = time.perf_counter()
         if split:
             run_split(part, n, min_items=2 * CHUNK_ROWS)
@@ -320,11 +343,15 @@ class SourceSegments:
         runs: list[np.ndarray | None],
         lo: int,
         hi: int,
+        checked: bool = True,
     ) -> None:
-        if all(r is None for r in runs) and take_columns(
-            self._gather_specs(), flat[lo:hi], out2d[lo:hi]
+        whole = lo == 0 and hi == flat.shape[0]  # no views to make
+        if (self._one_run or all(r is None for r in runs)) and take_columns(
+            self._gather_specs(), flat if whole else flat[lo:hi], out2d if whole else out2d[lo:hi]
         ):
             return  # every column one array: the compiled one-pass gather
+        if not checked:
+            check_bounds(flat[lo:hi], self.n_rows)  # a source not contiguous after all
         # Each column of ``out2d`` as a 1-D strided array of ``V{width}`` items: a copy into
         # it is one memcpy per row (faster than a 2-D uint8 or uint64 copy).
         fields = out2d.reshape(-1).view(self._row_dtype)

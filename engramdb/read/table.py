@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.disk.files import open_shards
-from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
+from engramdb.errors import InvalidArgument, InvalidLayout, RowIdOutOfRange, StoreClosed
 from engramdb.io import Backend, make_backend
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision, take_one
@@ -598,8 +598,10 @@ class LocalTable(RowTable):
         base, rb = at
         n = ids.shape[0]
         pos = range(n) if n <= k else [(j * 40503 * n >> 16) % n for j in range(k)]
-        addrs = [base + int(ids[p]) * rb for p in pos]
-        return bool(resident_count(addrs) == len(addrs))
+        rows = [int(ids[p]) for p in pos]
+        if not all(0 <= r < self.n_rows for r in rows):  # ids the gather checks itself
+            check_bounds(ids, self.n_rows)  # raises, naming the id
+        return bool(resident_count([base + r * rb for r in rows]) == len(rows))
 
     def note_buffered_read(self) -> None:
         """A prefetch is about to read rows by syscalls, past the mapping: it starts the
@@ -635,11 +637,15 @@ class LocalTable(RowTable):
             return self._table
         return None
 
-    def _take_fast(self, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray) -> bool:
+    def _take_fast(
+        self, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray, *, checked: bool = True
+    ) -> bool:
         """One gather of validated ids from the mapping, for the fast paths: a batch the
         rule would sample first checks ``1 + n // 65536`` of its pages with ``mincore``
         (False on a miss: nothing written, the caller takes the general path). No lock;
-        a slow gather (it faulted, or the machine was busy) reaches the rule's feedback."""
+        a slow gather (it faulted, or the machine was busy) reaches the rule's feedback.
+        ``checked=False`` (only where the segments' gather `checks_ids`): ids not yet
+        validated, and `RowIdOutOfRange` with nothing written for one out of range."""
         n = ids.shape[0]
         a = self._auto
         if a is not None and n >= self._unsampled_rows:
@@ -651,15 +657,22 @@ class LocalTable(RowTable):
         guard = self._guard
         if guard is not None:
             guard()  # an attached source truncated while open: TruncatedFile, not SIGBUS
-        return self._gather_fast(a, table, ids, out2d, n)
+        return self._gather_fast(a, table, ids, out2d, n, checked)
 
     def _gather_fast(
-        self, a: AutoBackend | None, table: np.ndarray, ids: np.ndarray, out2d: np.ndarray, n: int
+        self,
+        a: AutoBackend | None,
+        table: np.ndarray,
+        ids: np.ndarray,
+        out2d: np.ndarray,
+        n: int,
+        checked: bool,
     ) -> bool:
         seg = self._segments
         if self._cols_fast and seg is not None:
             t0 = _clock()
-            seg.take(ids, out2d)  # columns assembled (it splits while timings say it pays)
+            # columns assembled (it splits while timings say it pays); guarded just above
+            seg.take(ids, out2d, checked=checked, guarded=self._guard is not None)
             dt = _clock() - t0
         else:
             dt = self._split.take(table, ids, out2d)  # split only while timings say it pays
@@ -714,14 +727,24 @@ class LocalTable(RowTable):
                     a.fault_feedback(n, dt)  # it faulted: the rule checks harder next time
                 return out
             if 0 < n <= MAX_ROWS_PER_CALL:
-                if unsigned_max(rowids) >= self.n_rows:
+                seg = self._segments
+                # rows from several columns: the compiled gather checks every id before it
+                # writes (`SourceSegments.checks_ids`), so no numpy pass over the ids here
+                lean = self._cols_fast and seg is not None and seg.checks_ids
+                if not lean and unsigned_max(rowids) >= self.n_rows:
                     check_bounds(rowids, self.n_rows)  # raises, naming the id
                 if (rowids.base is not None or out.base is not None) and np.may_share_memory(
                     rowids, out
                 ):
                     rowids = rowids.copy()
-                if self._take_fast(table, rowids, out):
-                    return out
+                try:
+                    if self._take_fast(table, rowids, out, checked=not lean):
+                        return out
+                except RowIdOutOfRange:
+                    check_bounds(rowids, self.n_rows)  # the usual message: the id, its place
+                    raise
+                if lean:
+                    check_bounds(rowids, self.n_rows)  # the general path wants checked ids
         return RowTable.fetch_into(self, rowids, out)
 
     def lookup_into(self, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
