@@ -9,16 +9,20 @@ order of their bytes in an output row, and adds the **spill** where it pays:
   256 B weight row that starts ``a`` bytes past a cache line spans 5 lines, not 4, so a
   warm gather of V4.1's 264 B rows reads 5 lines of weight and 1 of scale, where a built
   264 B row is 5 adjacent lines.
-* Where ``a`` is at most `MAX_SPILL` (24) the record also holds each weight row's last
+* Where ``a`` is at most `MAX_SPILL` (8) the record also holds each weight row's last
   ``a`` bytes (the ones alone on its fifth line), beside the scale: a gather then reads 4
   lines of the mapping and 1 of the record, spill and scale in one copy (they are adjacent
-  in the output row). Measured here (docs/io.md, ``probes/attach_record.py``): rows/s of
-  the attached V4.1 table against the same rows built, one thread, both tables populated
-  on 2 MiB page-cache folios, CPU caches flushed: a = 8: 0.92x -> 1.01x, a = 16: 0.85x ->
-  0.91x, a = 24: 0.92x -> 0.95x. Not kept where it did not pay: a = 32 (0.88x either
-  way); the first ``64 - a`` bytes of rows at a >= 40 (a = 48: 0.87x -> 0.88x; at a = 8
-  its first 56 bytes lost: 0.85x against 0.90x); a table of one column (5 lines against
-  4 + 1 of a separate record: 0.80x against 0.89x).
+  in the output row). Measured here (docs/probes.md, 23rd stop; ``probes/attach_record.py``):
+  rows/s of the attached V4.1 table against the same rows built, one thread, every file
+  populated on 2 MiB page-cache folios and read once by the CPU, CPU caches flushed, the
+  scale-only record against the one with the spill: a = 8: 0.87x -> 0.92x (3 GiB), 0.88x
+  -> 0.90x (6 GiB). Not kept where it did not pay: a = 16 and 24, where it gained on small
+  tables (0.5 GiB, largely in this machine's 480 MiB L3) but a record of 24-32 B a row lost
+  at 6 GiB (a = 16: 0.88x / 0.83x without it, 0.85x / 0.81x with it; a = 24: 0.87x / 0.81x
+  against 0.80x / 0.78x); a = 32 (0.88x either way); the first ``64 - a`` bytes of rows at
+  a >= 40 (a = 48, 3 GiB: 0.86x / 0.92x without, 0.83x / 0.88x with: its 32 B record
+  costs more than the line it saves); a table of one column (5 lines against 4 + 1 of a
+  separate record: 0.80x against 0.89x).
 * ``ENGRAMDB_ATTACH_SPILL=0`` keeps the narrow columns only (the spill costs ``a`` bytes
   of RAM per row: 3 GB for a V4.1 layer of 384 M rows at a = 8).
 
@@ -62,8 +66,9 @@ __all__ = [
 
 #: Bytes per CPU cache line.
 LINE = 64
-#: The most bytes of a wide row the record keeps (measured: a gain up to 24, none at 32).
-MAX_SPILL = 24
+#: The most bytes of a wide row the record keeps (measured: a gain at 8; at 16 and 24 a
+#: gain only while the record fits the CPU caches, a loss at 6 GiB).
+MAX_SPILL = 8
 #: ``0`` keeps only the narrow columns in the record.
 SPILL_ENV = "ENGRAMDB_ATTACH_SPILL"
 
