@@ -686,7 +686,9 @@ class LocalTable(RowTable):
     def fetch_into(self, rowids: Any, out: np.ndarray) -> np.ndarray:
         """See `RowTable.fetch_into`. While the table is served from the mapping, a 1-D
         batch of int64 ids is one bounds check (plain Python for a few ids, else one
-        ``max`` of the ids viewed unsigned) and one ``np.take``: no lock, no backend call."""
+        ``max`` of the ids viewed unsigned) and one ``np.take``: no lock, no backend call.
+        An attached table's rows from several columns leave the check to their compiled
+        gather, which checks every id before it writes."""
         a = self._auto
         if (
             (self._plain or self._cols_fast)
