@@ -258,10 +258,13 @@ def main() -> None:
                 "bytes": rec.nbytes,
                 "spill_bytes_per_row": spill,
             }
+            wide = max(t["ws"]._segments.columns, key=lambda c: c.width)
+            line_off = int(wide.offset[0]) % 64  # where the weight rows start past a line
+            doc["weight_line_offset"] = line_off
             print(
-                f"ws: RAM record of {8 + spill} B per row (8 B scale + {spill} B of each weight "
-                f"row on a line of its own; {rec.nbytes / 2**20:.1f} MiB), loaded in "
-                f"{load_s * 1e3:.1f} ms"
+                f"ws: the weight starts {line_off} B past a cache line; RAM record of "
+                f"{8 + spill} B per row (8 B scale + {spill} B of each weight row on a line of "
+                f"its own; {rec.nbytes / 2**20:.1f} MiB), loaded in {load_s * 1e3:.1f} ms"
             )
             for k in ("w", "ws"):
                 want = t[f"{k}_built"].fetch(ids[1])
