@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import RowIdOutOfRange
+from engramdb.validate import check_bounds
 
 _native: ModuleType | None
 try:
@@ -84,7 +85,7 @@ def take_columns(
     bad = _native.take(out2d, ids, columns)
     if bad >= 0:
         rows = min(c[0].nbytes // (c[2] if len(c) == 5 else c[1]) for c in columns)
-        raise RowIdOutOfRange(f"row id {int(ids[bad])} out of range [0, {rows})")
+        check_bounds(ids, rows)  # raises, naming the id and its position
     return True
 
 

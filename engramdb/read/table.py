@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.disk.files import open_shards
-from engramdb.errors import InvalidArgument, InvalidLayout, RowIdOutOfRange, StoreClosed
+from engramdb.errors import InvalidArgument, InvalidLayout, StoreClosed
 from engramdb.io import Backend, make_backend
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision, take_one
@@ -739,12 +739,8 @@ class LocalTable(RowTable):
                     rowids, out
                 ):
                     rowids = rowids.copy()
-                try:
-                    if self._take_fast(table, rowids, out, checked=not lean):
-                        return out
-                except RowIdOutOfRange:
-                    check_bounds(rowids, self.n_rows)  # the usual message: the id, its place
-                    raise
+                if self._take_fast(table, rowids, out, checked=not lean):
+                    return out
                 if lean:
                     check_bounds(rowids, self.n_rows)  # the general path wants checked ids
         return RowTable.fetch_into(self, rowids, out)
