@@ -16,6 +16,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from engramdb import _cpus  # noqa: F401  (the start-up CPU mask, read at import)
 from engramdb._version import __version__
 from engramdb.errors import *  # noqa: F403
 from engramdb.errors import EngramDBError

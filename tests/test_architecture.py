@@ -63,7 +63,9 @@ def _loaded_after(statement: str) -> set[str]:
 
 
 def test_import_engramdb_loads_only_the_facade() -> None:
-    assert _loaded_after("import engramdb") == {"engramdb", "engramdb._version", "engramdb.errors"}
+    # engramdb._cpus: the start-up CPU mask is read at import (one system call, no imports)
+    facade = {"engramdb", "engramdb._version", "engramdb.errors", "engramdb._cpus"}
+    assert _loaded_after("import engramdb") == facade
 
 
 @pytest.mark.parametrize("statement", ["import engramdb.client", "from engramdb import connect"])

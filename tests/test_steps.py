@@ -47,13 +47,13 @@ def _rpb(row_bytes: int) -> int:
 
 
 def _reader(compiled: bool) -> StepReader:
-    """A step reader with its compiled entry writer and row copier, or (``compiled`` False)
-    with both off, so numpy writes the entries and copies the rows; skips where they are
-    not built."""
+    """A step reader with its compiled entry writer, completion router and row copier, or
+    (``compiled`` False) with all three off, so numpy writes the entries, routes the
+    completions and copies the rows; skips where they are not built."""
     reader = StepReader()
     if not compiled:
-        reader._spans_fn = reader._copy_fn = None
-    elif reader._spans_fn is None or reader._copy_fn is None:
+        reader._spans_fn = reader._copy_fn = reader._route_fn = None
+    elif reader._spans_fn is None or reader._copy_fn is None or reader._route_fn is None:
         pytest.skip("the compiled step writer and copier are not built")
     return reader
 
@@ -142,6 +142,36 @@ def test_step_entries_written_by_either_path_read_the_same_rows(
         (ra,) = _read(reader, [(st, a.astype(np.int32))])
         assert np.array_equal(ra, raw[a])
         reader.close()
+
+
+def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
+    """The compiled router (`StepReader._reap`) over a CQ whose entries wrap its end: each
+    result lands at its request, each ticket counts its own, the head moves to the tail;
+    a completion naming no request raises."""
+    route = StepReader()._route_fn
+    if route is None:
+        pytest.skip("the compiled router is not built")
+    from engramdb.io.uring_ring import CQE_DTYPE
+
+    cqes = np.zeros(8, CQE_DTYPE)
+    head, tail = np.array([6], np.uint32), np.array([6 + 5], np.uint32)
+    order = [4, 0, 9, 2, 7]  # user_data, in completion order; slots 6, 7, 0, 1, 2
+    for k, ud in enumerate(order):
+        cqes[(6 + k) % 8] = (ud, 1000 + ud, 0)
+    got = np.full(10, -1, np.int64)
+    ends = np.array([3, 8, 10], np.int64)  # tickets: requests 0-2, 3-7, 8-9
+    counts = np.zeros(3, np.int64)
+    assert route(head, tail, cqes, got, ends, counts) == 5
+    assert int(head[0]) == 11
+    assert {i: int(got[i]) for i in np.flatnonzero(got >= 0)} == {u: 1000 + u for u in order}
+    assert counts.tolist() == [2, 2, 1]
+    assert route(head, tail, cqes, got, ends, counts) == 0  # nothing new
+    tail[0] = 12
+    cqes[11 % 8] = (10, 5, 0)  # past the step's requests
+    with pytest.raises(ValueError, match="name no request"):
+        route(head, tail, cqes, got, ends, counts)
+    with pytest.raises(ValueError):
+        route(head, tail, cqes[:6], got, ends, counts)  # not a power of two
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])

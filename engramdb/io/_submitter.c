@@ -234,6 +234,66 @@ done:
     return result;
 }
 
+/* route(cq_head, cq_tail, cqes, got, ends, counts) -> completions reaped
+ *   Every completion now in a ring's CQ, in one pass: each read's result into
+ *   got[user_data], its ticket's count (the first ticket whose end in ends is past the
+ *   user_data) up by one, and the slots freed (the head moved past them).
+ *   cq_head / cq_tail: the ring's uint32 [1] head (writable) and tail; cqes: its CQ entries
+ *   (16 bytes: u64 user_data, s32 res, u32 flags), a power-of-two count; got: int64 [n];
+ *   ends: int64 [T], rising, the last == n; counts: writable int64 [T]. A user_data past
+ *   got is an error (nothing written for it; the head still moves past it). */
+static PyObject *route(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
+    static const int writable[6] = {1, 0, 0, 1, 0, 1};
+    Py_buffer v[6];
+    int held = 0;
+    PyObject *result = NULL;
+    for (int i = 0; i < 6; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | (writable[i] ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(o[i], &v[held], flags) < 0) goto done;
+        held++;
+    }
+    Py_ssize_t entries = v[2].len / 16, n = v[3].len / 8, t = v[4].len / 8;
+    if (v[0].len < 4 || v[1].len < 4 || entries == 0 || (entries & (entries - 1)) != 0 ||
+        t == 0 || v[5].len < t * 8) {
+        PyErr_SetString(PyExc_ValueError, "route: bad head / tail / entries / ends / counts");
+        goto done;
+    }
+    uint32_t *headp = (uint32_t *)v[0].buf;
+    const uint32_t *tailp = (const uint32_t *)v[1].buf;
+    const uint8_t *cq = (const uint8_t *)v[2].buf;
+    int64_t *got = (int64_t *)v[3].buf, *counts = (int64_t *)v[5].buf;
+    const int64_t *ends = (const int64_t *)v[4].buf;
+    uint32_t head = *headp;
+    uint32_t tail = __atomic_load_n(tailp, __ATOMIC_ACQUIRE); /* entries before it are written */
+    uint32_t count = tail - head, mask = (uint32_t)(entries - 1), bad = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const uint8_t *e = cq + (size_t)((head + i) & mask) * 16;
+        uint64_t ud;
+        int32_t res;
+        memcpy(&ud, e, 8);
+        memcpy(&res, e + 8, 4);
+        if (ud >= (uint64_t)n) {
+            bad++;
+            continue;
+        }
+        got[ud] = res;
+        Py_ssize_t k = 0;
+        while (k < t - 1 && (int64_t)ud >= ends[k]) k++;
+        counts[k]++;
+    }
+    __atomic_store_n(headp, tail, __ATOMIC_RELEASE); /* the slots are free again */
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "route: %u completions name no request", bad);
+        goto done;
+    }
+    result = PyLong_FromUnsignedLong(count);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
      "run(ring_fd, event_fd) -> 0 once a value >= STOP is written, or -errno.\n"
@@ -241,6 +301,9 @@ static PyMethodDef methods[] = {
     {"spans", spans, METH_VARARGS,
      "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},
+    {"route", route, METH_VARARGS,
+     "route(cq_head, cq_tail, cqes, got, ends, counts) -> completions reaped.\n"
+     "Every completion in a ring's CQ into got[user_data] and its ticket's count."},
     {"copy_out", copy_out, METH_VARARGS,
      "copy_out(dest, buf, slot, ip, lo) -> None. A step's rows lo.. from the staging\n"
      "buffer into dest's grid of contiguous rows."},

@@ -51,6 +51,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from engramdb._cpus import PROCESS_CPUS, run_as_worker
 from engramdb.io.columns import native_enabled
 from engramdb.io.uring_ring import (
     IORING_ENTER_SQ_WAKEUP,
@@ -99,7 +100,7 @@ def _anchor_ring() -> Ring | None:
         if _anchor["pid"] != pid:  # first use, or a child after fork: the parent's is not ours
             _anchor.update(pid=pid, ring=None, why="")
             setting = os.environ.get(SQPOLL_ENV, "").strip()
-            cpus = sorted(os.sched_getaffinity(0))
+            cpus = sorted(PROCESS_CPUS or os.sched_getaffinity(0))
             n_cpus = len(cpus)
             if setting == "0":
                 _anchor["why"] = f"turned off by {SQPOLL_ENV}=0"
@@ -146,7 +147,7 @@ def submitter_state() -> tuple[bool, str]:
         return False, f"turned off by {SUBMITTER_ENV}=0"
     if _native_submitter is None:
         return False, "engramdb.io._submitter is not built (no C compiler at install)"
-    if len(os.sched_getaffinity(0)) < 2:
+    if len(PROCESS_CPUS or os.sched_getaffinity(0)) < 2:
         return False, "one CPU: the submission work would stay on the engine's CPU"
     return True, ""
 
@@ -167,6 +168,7 @@ class Submitter:
         self._thread.start()
 
     def _run(self, ring_fd: int) -> None:
+        run_as_worker()
         assert _native_submitter is not None
         try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from engramdb._cpus import run_as_worker
 from engramdb.errors import InvalidArgument, MemoryLockRefused
 from engramdb.io.foreground import FOREGROUND, idle_priority, overlap_rate, read_in_gaps
 from engramdb.io.mapping import (
@@ -317,6 +318,7 @@ class BackgroundWarm:
             done()  # e.g. the read rule checks residency at its next batch, not 0.25 s later
 
     def _run(self) -> None:
+        run_as_worker()
         t0 = time.monotonic()
         try:
             pos = self.base

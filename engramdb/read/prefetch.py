@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from engramdb._cpus import run_as_worker
 from engramdb.errors import EngramDBError, InvalidArgument, StoreClosed
 from engramdb.io.advise import willneed_rows
 from engramdb.io.foreground import FOREGROUND
@@ -354,6 +355,7 @@ class Prefetcher:
         t.finished.set()
 
     def _run(self) -> None:
+        run_as_worker()
         while True:
             self._wake.get()  # one token per submission (and one at close)
             with self._cond:

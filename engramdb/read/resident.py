@@ -45,6 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engramdb._cpus import run_as_worker
 from engramdb.errors import StoreClosed
 from engramdb.io.columns import take_columns
 from engramdb.io.mapping import prefault
@@ -312,6 +313,7 @@ class ResidentRecord:
             raise StoreClosed(f"table {self.name!r} is closed")
 
     def _load(self) -> None:
+        run_as_worker()
         t0 = time.perf_counter()
         try:
             rec = prefault(np.empty((self.n_rows, self.width), np.uint8))  # written in full
@@ -344,9 +346,13 @@ class ResidentRecord:
             if self.spill_state != "idle" or self.state != "ready" or busy:
                 return
             self._filler = threading.Thread(
-                target=self.fill_spill, name=f"engramdb-spill-{self.name}", daemon=True
+                target=self._spill_worker, name=f"engramdb-spill-{self.name}", daemon=True
             )
             self._filler.start()
+
+    def _spill_worker(self) -> None:
+        run_as_worker()
+        self.fill_spill()
 
     def fill_spill(self) -> None:
         """Copy each wide row's spill into the record with sequential reads, if the narrow

@@ -143,6 +143,7 @@ class Plan:
         self.span_total = 0  # per step: the bytes asked of the device
         self.part_span = np.zeros(len(layouts), np.int64)  # per step: those of each table
         self.starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # each table's first request
+        self.ends = np.cumsum(sizes, dtype=np.int64)  # and past its last
 
 
 def grid_view(

@@ -60,6 +60,7 @@ from engramdb.io.mapping import prefault
 from engramdb.io.sqpoll import polled_ring, step_compiled, submit_pushed
 from engramdb.io.uring import IoUringBackend
 from engramdb.io.uring_ring import (
+    CQE_DTYPE,
     IORING_ENTER_GETEVENTS,
     IORING_ENTER_SQ_WAKEUP,
     Ring,
@@ -116,7 +117,7 @@ class StepReader:
         self._routed = False  # completions read one by one this step (no whole-step sum)
         self._ready: set[int] = set()  # tickets (by lo) whose reads are checked
         self._indexed: set[int] = set()  # tickets (by lo) whose rows' units are computed
-        self._counts: list[int] = []  # completions reaped per ticket (`_reap`)
+        self._counts = np.zeros(0, np.int64)  # completions reaped per ticket (`_reap`)
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
         self.closed = False
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
@@ -124,6 +125,7 @@ class StepReader:
         #: (`engramdb.io.sqpoll.step_compiled`), or None.
         self._spans_fn = step_compiled("spans")
         self._copy_fn = step_compiled("copy_out")
+        self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -288,7 +290,7 @@ class StepReader:
                 self._warmed.add(id(store))
                 store.note_buffered_read()  # a table that fits starts its background warm
         self._tickets = [j[2] for j in jobs]
-        self._counts = [0] * len(jobs)
+        self._counts = np.zeros(len(jobs), np.int64)
         r = submit_pushed(ring, n)
         # the background warm reads around these reads: about their device time
         FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
@@ -345,28 +347,29 @@ class StepReader:
         return True
 
     def _reap(self, wait: bool) -> None:
-        ring = self._ring
-        assert ring is not None
-        got = ring.reap()
-        if got.size == 0 and wait:
-            r = _wait(ring, 1)
-            if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
-                plan = self._plan
-                fd = int(plan.src_fd[0]) if plan is not None else -1
-                raise read_error(-r, fd, 0, "io_uring_enter failed")
-            got = ring.reap()
-        if got.size:
-            self._got[got["user_data"].astype(np.int64)] = got["res"]
-            self._left -= int(got.size)
-            self._routed = True
-            if len(self._tickets) > 1:  # completions per ticket
-                his = [t.hi for t in self._tickets]
-                per = np.bincount(
-                    np.searchsorted(his, got["user_data"].astype(np.int64), side="right"),
-                    minlength=len(his),
-                )
-                for k, c in enumerate(per.tolist()[: len(his)]):
-                    self._counts[k] += c
+        """Route the completions in the ring (waiting for one first where ``wait`` and there
+        are none) into ``_got`` and the tickets' counts: one compiled pass where built."""
+        ring, plan, route = self._ring, self._plan, self._route_fn
+        assert ring is not None and plan is not None
+        for attempt in (0, 1):
+            if attempt and not wait:
+                return
+            if attempt:
+                r = _wait(ring, 1)
+                if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
+                    raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
+            if route is not None:
+                n = route(ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts)
+            else:
+                got = ring.reap()
+                ud, n = got["user_data"].astype(np.int64), int(got.size)
+                self._got[ud] = got["res"]
+                where = np.searchsorted(plan.ends, ud, side="right")
+                self._counts += np.bincount(where, minlength=len(self._counts))[: len(self._counts)]
+            if n:
+                self._left -= n
+                self._routed = True
+                return
 
     def collect(self, t: StepTicket) -> None:
         """Wait for ``t``'s reads, check them and hand it its rows (`StepTicket.wait`). The

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from engramdb._cpus import run_as_worker
 from engramdb.errors import BackendUnavailable
 from engramdb.io import Backend, IoUringBackend, PreadvBackend, copy_segments
 from engramdb.io.gather import take_one
@@ -409,6 +410,7 @@ class WindowStream:
         return rows * self._rb + ntok * self._id_bytes > self._window_bytes
 
     def _load(self, work: Iterator[tuple[Any, int]], rows_of: Callable[[Any], np.ndarray]) -> None:
+        run_as_worker()
         pending: list[tuple[Any, int]] = []
         ntok = 0
         err: BaseException | None = None

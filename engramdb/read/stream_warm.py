@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engramdb._cpus import run_as_worker
 from engramdb.errors import ReadError, StoreClosed
 from engramdb.io.gather import take_one
 from engramdb.io.mapping import (
@@ -81,6 +82,7 @@ class TableWarm:
         return self.prefix >= self._n_chunks
 
     def _run(self) -> None:
+        run_as_worker()
         err: BaseException | None = None
         try:
             while True:
@@ -181,6 +183,7 @@ class TableWarm:
         return p
 
     def _fill(self) -> None:
+        run_as_worker()
         while True:
             with self._cond:
                 while True:
