@@ -72,7 +72,9 @@ class Foreground:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._cond = threading.Condition()
+        # the condition's own lock, taken directly where nobody waits (a C-level `with`)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.inflight = 0
         self.batches = 0
         self.last_start = float("-inf")
@@ -86,7 +88,7 @@ class Foreground:
     def enter(self, *, waited: bool = True) -> None:
         """A foreground batch starts its device reads; ``waited=False`` for a prefetch (a
         future step's rows, read while the caller computes)."""
-        with self._cond:
+        with self._lock:
             now = self._clock()
             if self.inflight == 0:
                 self._started(now)
@@ -119,7 +121,7 @@ class Foreground:
         ``duration`` seconds (`engramdb.read.steps.StepReader`: nobody waits on them until
         the engine needs the rows, so their end is estimated, not observed). It counts as in
         flight until then."""
-        with self._cond:
+        with self._lock:
             now = self._clock()
             if self.inflight == 0 and now >= self.busy_until:
                 self._started(now)

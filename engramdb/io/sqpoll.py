@@ -88,6 +88,10 @@ MIN_CPUS = 4
 IDLE_MS = 50
 
 _lock = threading.Lock()
+#: Forks this process has been through (a child's count differs from its parent's): a
+#: per-call ``getpid`` was a system call a step on the engine's thread.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 _fence = threading.Lock()  # acquire + release: a locked instruction, a full fence on x86-64
 _anchor: dict[str, object] = {"pid": -1, "ring": None, "why": ""}
 
@@ -159,7 +163,7 @@ class Submitter:
     def __init__(self, ring: Ring) -> None:
         assert _native_submitter is not None
         self._efd = os.eventfd(0, os.EFD_CLOEXEC)
-        self._pid = os.getpid()  # a forked child has the ring but not the thread
+        self._gen = _forks[0]  # a forked child has the ring but not the thread
         #: The C loop's result once it ended (0 after `stop`, -errno after a failure).
         self.result: int | None = None
         self._thread = threading.Thread(
@@ -178,13 +182,13 @@ class Submitter:
 
     def wake(self, count: int) -> bool:
         """Hand over ``count`` entries just pushed; False when the thread has ended."""
-        if self.result is not None or self._efd < 0 or os.getpid() != self._pid:
+        if self.result is not None or self._efd < 0 or self._gen != _forks[0]:
             return False
         os.eventfd_write(self._efd, count)
         return True
 
     def stop(self) -> None:
-        if self._efd < 0 or os.getpid() != self._pid:
+        if self._efd < 0 or self._gen != _forks[0]:
             return
         assert _native_submitter is not None
         os.eventfd_write(self._efd, _native_submitter.STOP)
