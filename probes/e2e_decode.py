@@ -707,9 +707,9 @@ def paired_steps(
 
 
 def pin_engine(args: argparse.Namespace) -> None:
-    """``--engine-cpu N``: the decoding thread from here on runs on CPU ``N`` only (threads it
-    starts later inherit that; the library's reader and warm threads started at the prefill
-    keep every CPU)."""
+    """``--engine-cpu N``: the decoding thread from here on runs on CPU ``N`` only. The
+    library's worker threads it starts later (submitters, warm, prefetch) leave that pin:
+    they run on the process's other CPUs (`engramdb._cpus`)."""
     if args.engine_cpu is not None:
         os.sched_setaffinity(0, {args.engine_cpu})
 
