@@ -166,10 +166,13 @@ def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
     assert {i: int(got[i]) for i in np.flatnonzero(got >= 0)} == {u: 1000 + u for u in order}
     assert counts.tolist() == [2, 2, 1]
     assert route(head, tail, cqes, got, ends, counts) == 0  # nothing new
-    tail[0] = 12
-    cqes[11 % 8] = (10, 5, 0)  # past the step's requests
-    with pytest.raises(ValueError, match="name no request"):
-        route(head, tail, cqes, got, ends, counts)
+    for ud in (10, 12):  # past the step's requests; past got too
+        tail[0] += 1
+        cqes[(int(tail[0]) - 1) % 8] = (ud, 5, 0)
+        with pytest.raises(ValueError, match="name no request"):
+            route(head, tail, cqes, np.full(11 if ud == 10 else 10, -1, np.int64), ends, counts)
+        assert int(head[0]) == int(tail[0])  # the slot is freed all the same
+    assert counts.tolist() == [2, 2, 1]
     with pytest.raises(ValueError):
         route(head, tail, cqes[:6], got, ends, counts)  # not a power of two
 

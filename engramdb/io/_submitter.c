@@ -240,8 +240,9 @@ done:
  *   user_data) up by one, and the slots freed (the head moved past them).
  *   cq_head / cq_tail: the ring's uint32 [1] head (writable) and tail; cqes: its CQ entries
  *   (16 bytes: u64 user_data, s32 res, u32 flags), a power-of-two count; got: int64 [n];
- *   ends: int64 [T], rising, the last == n; counts: writable int64 [T]. A user_data past
- *   got is an error (nothing written for it; the head still moves past it). */
+ *   ends: int64 [T], rising, the last the step's request count; counts: writable int64 [T].
+ *   A user_data past the step's requests (or past got) is an error: nothing is written for
+ *   it, the head still moves past it. */
 static PyObject *route(PyObject *self, PyObject *args) {
     PyObject *o[6];
     if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
@@ -265,6 +266,7 @@ static PyObject *route(PyObject *self, PyObject *args) {
     const uint8_t *cq = (const uint8_t *)v[2].buf;
     int64_t *got = (int64_t *)v[3].buf, *counts = (int64_t *)v[5].buf;
     const int64_t *ends = (const int64_t *)v[4].buf;
+    if (ends[t - 1] < n) n = ends[t - 1] < 0 ? 0 : ends[t - 1]; /* the step's requests */
     uint32_t head = *headp;
     uint32_t tail = __atomic_load_n(tailp, __ATOMIC_ACQUIRE); /* entries before it are written */
     uint32_t count = tail - head, mask = (uint32_t)(entries - 1), bad = 0;
