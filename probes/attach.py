@@ -42,7 +42,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CacheFlush, interleave, median, vm_hwm_mb, write_json  # noqa: E402
+from common import CacheFlush, interleave, median, read_once, vm_hwm_mb, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb.build.attach import materialize  # noqa: E402
@@ -238,12 +238,7 @@ def main() -> None:
             # every region they touched, and the comparison would time the TLB)
             for st in t.values():
                 st.populate()  # attached ws: also loads its RAM record (scale + spill)
-            # one CPU read of every byte of every file: on this VM the first CPU touch of
-            # memory the device wrote is slow (a first repetition at 0.3 M rows/s, seen)
-            for p in {p for st in t.values() for p in table_files(st)}:
-                m = np.memmap(p, np.uint8, "r")
-                int(m[: m.size // 8 * 8].view(np.uint64).max())
-                del m
+            read_once({p for st in t.values() for p in table_files(st)})
             for k in ("w", "ws"):  # correctness before timing
                 want = t[f"{k}_built"].fetch(ids[0])
                 assert np.array_equal(t[k].fetch(ids[0]), want), k

@@ -9,8 +9,8 @@ safetensors file holds one V4.1 layer (``embed.weight`` F8_E4M3 ``[N, 256]`` the
 ``embed.scale`` F8_E8M0 ``[N, 8]``, random bytes, ``--gib`` GiB in all). It is attached
 (weight + scale: 264 B rows) and built (``build --from-attached``); every file is evicted
 and then populated by ``populate`` (one sequential pass: 2 MiB page-cache folios, as
-``engramdb warm`` leaves them), then read once by the CPU (as ``probes/attach.py`` does). Arms, each 16 batches of 16,384 random ids through
-``fetch_into`` on this thread (``ENGRAMDB_GATHER_THREADS=1``), the CPU caches flushed before
+``engramdb warm`` leaves them), then read once by the CPU (`common.read_once`). Arms, each
+16 batches of 16,384 random ids through ``fetch_into`` on this thread (``ENGRAMDB_GATHER_THREADS=1``), the CPU caches flushed before
 every arm, interleaved ABBA:
 
 * ``np.take(built)``: single-thread ``np.take(out=)`` on the built mapping (the baseline);
@@ -42,7 +42,7 @@ os.environ["ENGRAMDB_GATHER_THREADS"] = "1"  # before engramdb reads it: gathers
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CacheFlush, interleave, median, write_json  # noqa: E402
+from common import CacheFlush, interleave, median, read_once, write_json  # noqa: E402
 
 import engramdb  # noqa: E402
 from engramdb.build.attach import materialize  # noqa: E402
@@ -90,14 +90,8 @@ def one_alignment(root: Path, align: int, gib: float, reps: int) -> dict[str, An
             evict(str(p))
         for st in t.values():
             st.populate()
-        # one CPU read of every byte of every file: on this VM the first CPU touch of memory
-        # the device wrote is slow, and the arms would otherwise meet those first touches in
-        # their timed batches (attached rows came out 1.02-1.08x built that way, 0.88-0.91x
-        # with this pass, in the same session)
-        for p in [src] + [built / s.path for s in t["built"].info.shards]:
-            m = np.memmap(p, np.uint8, "r")
-            int(m[: m.size // 8 * 8].view(np.uint64).max())
-            del m
+        # without this pass attached rows came out 1.02-1.08x built, 0.88-0.91x with it
+        read_once([src] + [built / s.path for s in t["built"].info.shards])
         rec = t["attached+spill"]._segments.record
         spill = rec.spill[1] if rec.spill else 0
         assert rec.spill_state == ("ready" if spill else "off"), rec.spill_state

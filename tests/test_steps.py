@@ -510,3 +510,24 @@ def test_the_submitter_can_be_turned_off() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["False", "True"]
     assert "ENGRAMDB_SUBMITTER=0" in out.stdout
+
+
+def test_a_forked_child_does_not_wake_its_parents_submitter() -> None:
+    """The child has the ring's memory but not the parent's submitter thread: its wake is
+    refused (the caller then enters the ring itself), told by the fork counter."""
+    from engramdb.io.sqpoll import polled_ring, submitter_state
+
+    if not submitter_state()[0]:
+        pytest.skip(f"no submitter thread here: {submitter_state()[1]}")
+    ring = polled_ring(8)
+    try:
+        if ring.wake is None:
+            pytest.skip("this ring is read by the polling thread, not a submitter")
+        assert ring.wake(0)  # the parent's own: taken
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(0 if ring.wake(0) is False else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        ring.close()

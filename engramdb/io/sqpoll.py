@@ -93,16 +93,16 @@ _lock = threading.Lock()
 _forks = [0]
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 _fence = threading.Lock()  # acquire + release: a locked instruction, a full fence on x86-64
-_anchor: dict[str, object] = {"pid": -1, "ring": None, "why": ""}
+_anchor: dict[str, object] = {"gen": -1, "ring": None, "why": ""}
 
 
 def _anchor_ring() -> Ring | None:
     """The process's anchor ring (its polling thread), made once per process; None (with the
     reason in `sqpoll_state`) where polling is off or refused."""
-    pid = os.getpid()
+    gen = _forks[0]
     with _lock:
-        if _anchor["pid"] != pid:  # first use, or a child after fork: the parent's is not ours
-            _anchor.update(pid=pid, ring=None, why="")
+        if _anchor["gen"] != gen:  # first use, or a child after fork: the parent's is not ours
+            _anchor.update(gen=gen, ring=None, why="")
             setting = os.environ.get(SQPOLL_ENV, "").strip()
             cpus = sorted(PROCESS_CPUS or os.sched_getaffinity(0))
             n_cpus = len(cpus)

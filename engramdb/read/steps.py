@@ -348,28 +348,32 @@ class StepReader:
 
     def _reap(self, wait: bool) -> None:
         """Route the completions in the ring (waiting for one first where ``wait`` and there
-        are none) into ``_got`` and the tickets' counts: one compiled pass where built."""
-        ring, plan, route = self._ring, self._plan, self._route_fn
+        are none) into ``_got`` and the tickets' counts."""
+        ring, plan = self._ring, self._plan
         assert ring is not None and plan is not None
-        for attempt in (0, 1):
-            if attempt and not wait:
-                return
-            if attempt:
-                r = _wait(ring, 1)
-                if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
-                    raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
-            if route is not None:
-                n = route(ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts)
-            else:
-                got = ring.reap()
-                ud, n = got["user_data"].astype(np.int64), int(got.size)
-                self._got[ud] = got["res"]
-                where = np.searchsorted(plan.ends, ud, side="right")
-                self._counts += np.bincount(where, minlength=len(self._counts))[: len(self._counts)]
-            if n:
-                self._left -= n
-                self._routed = True
-                return
+        n = self._route(ring, plan)
+        if n == 0 and wait:
+            r = _wait(ring, 1)
+            if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
+                raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
+            n = self._route(ring, plan)
+        if n:
+            self._left -= n
+            self._routed = True
+
+    def _route(self, ring: Ring, plan: Plan) -> int:
+        """Every completion now in ``ring``: its result to its request, its ticket's count up
+        by one, its slot freed; one compiled pass where built. Returns how many."""
+        if self._route_fn is not None:
+            return self._route_fn(
+                ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts
+            )
+        got = ring.reap()
+        ud = got["user_data"].astype(np.int64)
+        self._got[ud] = got["res"]
+        where = np.searchsorted(plan.ends, ud, side="right")
+        self._counts += np.bincount(where, minlength=len(self._counts))[: len(self._counts)]
+        return int(got.size)
 
     def collect(self, t: StepTicket) -> None:
         """Wait for ``t``'s reads, check them and hand it its rows (`StepTicket.wait`). The
