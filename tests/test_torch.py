@@ -95,10 +95,11 @@ def test_fp8_with_ue8m0_block_scales(tmp_path: Path) -> None:
         multi(torch.tensor([[[0, 80]]]))
     # resident: decoded rows come through the mapped gather (`_take_resident`), not torch's
     store.populate()
-    for _ in range(100):  # the read rule settles in its mapped state
+    for _ in range(200):  # the read rule settles in its mapped state (a while on a busy machine)
         out = multi(local)
         if multi.served_mapped:
             break
+        time.sleep(0.05)
     assert multi._table_t is None and multi.served_mapped >= 1
     assert torch.equal(out, emb(local + multi.offsets).detach())
 

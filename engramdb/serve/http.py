@@ -372,9 +372,9 @@ class HttpConnection:
     def _send_reply(self, reply: Reply, t0: float, bytes_in: int = 0) -> None:
         if reply.close:
             self.close_after = True
-        # send first, count after: the client can start on the response meanwhile
-        self._send_parts(reply.parts)
+        # counted before it is sent: a client that has its response sees it in the metrics
         reply.observe(self.ctx.metrics, time.perf_counter() - t0, bytes_in)
+        self._send_parts(reply.parts)
         if not self.busy and self.close_after and not self.closed:
             self._linger()
 

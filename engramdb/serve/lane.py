@@ -233,10 +233,10 @@ class _WireConnection:
             "limits": ctx.limits.to_dict(),
         }
         body = P.json_dumps(doc)
-        self.send(memoryview(pack_response(200, len(body)) + body))
         ctx.metrics.observe(
             "hello", "", 200, rows=0, bytes_in=len(token), bytes_out=len(body), seconds=0.0
         )
+        self.send(memoryview(pack_response(200, len(body)) + body))
 
     def on_rows(self, op: int, ndim: int, table: int, payload: memoryview, t0: float) -> None:
         lane = self.lane
@@ -269,7 +269,6 @@ class _WireConnection:
             return
         mv = buf.data
         RESPONSE.pack_into(mv, 0, RESPONSE_MAGIC, 200, OK_FLAGS, 0, nbytes)
-        self.send(mv[:total])
         lane.ctx.metrics.observe(
             endpoint,
             name,
@@ -279,6 +278,7 @@ class _WireConnection:
             bytes_out=nbytes,
             seconds=time.perf_counter() - t0,
         )
+        self.send(mv[:total])
 
     def _deferred(
         self,
@@ -317,8 +317,8 @@ class _WireConnection:
             self.reply_error(exc, job.endpoint, job.table, job.t0, job.bytes_in)
         else:
             reply = job.future.result()
-            self.send(reply.parts[0])
             reply.observe(self.lane.ctx.metrics, time.perf_counter() - job.t0, job.bytes_in)
+            self.send(reply.parts[0])
         if not self.busy and not self.closed:
             self.watch(select.EPOLLIN)
             self.process()
@@ -329,11 +329,11 @@ class _WireConnection:
         if not isinstance(exc, EngramDBError):
             log.error("error serving a wire %s", endpoint, exc_info=exc)
         status, frame = error_frame(exc)
-        self.send(memoryview(frame))
         reply = Reply(
             status, [], endpoint, table, nbytes=len(frame) - RESPONSE.size, error=error_label(exc)
         )
         reply.observe(self.lane.ctx.metrics, time.perf_counter() - t0, bytes_in)
+        self.send(memoryview(frame))
 
     def fatal(self, exc: EngramDBError, endpoint: str = "malformed") -> None:
         """The connection cannot go on: send the error, then close."""
