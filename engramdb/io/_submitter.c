@@ -5,9 +5,22 @@
  * (256 reads at B=8: ~460 us on the engine's thread). The kernel's polling thread (SQPOLL)
  * moves that work to another core but spins between steps; on two CPUs the spinning stalled
  * the engine. A Python thread would need the GIL to make the system call and hand it back.
- * This loop runs without the GIL: it sleeps in read() on an eventfd, and each value the
- * engine writes there (the number of entries it has just put in the ring) wakes it to call
- * io_uring_enter. A value >= STOP ends it.
+ * This loop runs without the GIL and calls io_uring_enter for the entries the engine hands
+ * over (`notify`). A value >= STOP written to its eventfd ends it.
+ *
+ * Waking a sleeping thread costs the engine's thread 20-60 us here (eventfd_write and the
+ * inter-processor interrupt behind it, inside a model step). Decode steps come at a steady
+ * pace, so the loop learns the interval between hand-overs, sleeps on a timer until just
+ * before the next is due and then watches a shared word for a short window: a hand-over
+ * that comes inside it costs the engine an atomic add and a load, no system call. Outside
+ * the window (or with spin_ns 0) the engine rings the eventfd, as a doorbell.
+ *
+ * The shared words (int64, `state`): [PUSHED] entries handed over in all (the engine adds),
+ * [AWAKE] 1 while the loop watches (the engine then skips the doorbell), [CAUGHT] / [RUNG]
+ * hand-overs the watch caught / the doorbell woke it for, [SPUN_NS] time spent watching.
+ * The loop clears AWAKE and then reads PUSHED; the engine adds to PUSHED and then reads
+ * AWAKE, both sequentially consistent: one of the two always sees the other's write, so a
+ * hand-over is never left waiting for the next.
  *
  * Entries it does not get to stay in the ring: the engine's own wait for completions
  * submits whatever is still pending (the kernel serializes the two), so nothing depends on
@@ -16,44 +29,152 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
+#include <sched.h>
 #include <string.h>
 #include <stdint.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define STOP (1ULL << 62)
+enum { PUSHED = 0, AWAKE = 1, CAUGHT = 2, RUNG = 3, SPUN_NS = 4, STATE_WORDS = 8 };
 
-/* run(ring_fd, event_fd) -> 0 once told to stop, or -errno of a failed read or enter. */
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Submit n entries; -errno of a failed io_uring_enter, else 0. */
+static long submit(int ring_fd, int64_t n) {
+    while (n > 0) {
+        long s = syscall(__NR_io_uring_enter, ring_fd,
+                         (unsigned)(n > 0xFFFFFFFFLL ? 0xFFFFFFFFu : (uint64_t)n), 0u, 0u, NULL,
+                         (size_t)0);
+        if (s < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EBUSY) return 0; /* the engine's wait submits */
+            return -errno;
+        }
+        if (s == 0) return 0; /* nothing pending: the engine's wait took them */
+        n -= s;
+    }
+    return 0;
+}
+
+/* run(ring_fd, event_fd, state, spin_ns) -> 0 once told to stop, or -errno of a failed read,
+ * poll or enter. state: the address of the shared words (kept alive by the caller);
+ * spin_ns: the widest watch window (0: never watch, the doorbell only). */
 static PyObject *run(PyObject *self, PyObject *args) {
     int ring_fd, efd;
-    if (!PyArg_ParseTuple(args, "ii", &ring_fd, &efd)) return NULL;
+    unsigned long long addr;
+    long long spin_max;
+    if (!PyArg_ParseTuple(args, "iiKL", &ring_fd, &efd, &addr, &spin_max)) return NULL;
+    int64_t *st = (int64_t *)(uintptr_t)addr;
     long result = 0;
     Py_BEGIN_ALLOW_THREADS
+    int64_t done = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
+    int64_t last = 0, period = 0, dev = 0;
     for (;;) {
-        uint64_t v = 0;
-        ssize_t r = read(efd, &v, sizeof v);
-        if (r != (ssize_t)sizeof v) {
-            if (r < 0 && errno == EINTR) continue;
-            result = r < 0 ? -errno : -EIO;
+        int64_t p = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
+        if (p != done) {
+            result = submit(ring_fd, p - done);
+            if (result < 0) break;
+            done = p;
+            int64_t t = now_ns();
+            if (last) { /* the pace: a running mean of the interval and of its deviation */
+                int64_t d = t - last;
+                if (period == 0 || d > 4 * period || 4 * d < period) {
+                    period = d, dev = d / 8; /* a new pace (the first, or a jump) */
+                } else {
+                    int64_t e = d - period;
+                    period += e / 8;
+                    dev += ((e < 0 ? -e : e) - dev) / 8;
+                }
+            }
+            last = t;
+            continue;
+        }
+        /* nothing handed over: watch around the next hand-over where the pace is steady
+         * (two deviations either side, at least 50 us, at most spin_ns) */
+        int64_t w = 2 * dev + 20000;
+        if (w < 50000) w = 50000;
+        if (w > spin_max) w = spin_max;
+        int64_t due = last + period, t = now_ns();
+        int watch = w > 0 && period > 0 && period < 200000000LL && t < due + w;
+        struct timespec ts, *tsp = NULL;
+        if (watch) {
+            int64_t sleep_ns = due - w - t;
+            if (sleep_ns < 0) sleep_ns = 0;
+            ts.tv_sec = (time_t)(sleep_ns / 1000000000LL);
+            ts.tv_nsec = (long)(sleep_ns % 1000000000LL);
+            tsp = &ts;
+        }
+        __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) continue;
+        struct pollfd pfd = {efd, POLLIN, 0};
+        int r = ppoll(&pfd, 1, tsp, NULL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            result = -errno;
             break;
         }
-        if (v >= STOP) break;
-        while (v > 0) {
-            long s = syscall(__NR_io_uring_enter, ring_fd, (unsigned)(v > 0xFFFFFFFFu ? 0xFFFFFFFFu : v),
-                             0u, 0u, NULL, (size_t)0);
-            if (s < 0) {
-                if (errno == EINTR) continue;
-                if (errno == EAGAIN || errno == EBUSY) break; /* the engine's wait submits */
-                result = -errno;
-                goto out;
+        if (r > 0) { /* the doorbell (or STOP) */
+            uint64_t v = 0;
+            ssize_t n = read(efd, &v, sizeof v);
+            if (n != (ssize_t)sizeof v) {
+                if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+                result = n < 0 ? -errno : -EIO;
+                break;
             }
-            if (s == 0) break; /* nothing pending: the engine's wait took them */
-            v = (uint64_t)s >= v ? 0 : v - (uint64_t)s;
+            if (v >= STOP) break;
+            __atomic_add_fetch(&st[RUNG], 1, __ATOMIC_RELAXED);
+            continue;
         }
+        /* the timer: watch until the window closes */
+        __atomic_store_n(&st[AWAKE], 1, __ATOMIC_SEQ_CST);
+        int64_t t0 = now_ns(), end = due + w;
+        if (end < t0 + 2 * w) end = t0 + 2 * w; /* woken late: still a whole window */
+        int caught = 0;
+        for (unsigned k = 1;; k++) {
+            if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) {
+                caught = 1;
+                break;
+            }
+            relax();
+            if ((k & 255) == 0) { /* another ring's loop on this CPU gets its turn */
+                if (now_ns() >= end) break;
+                sched_yield();
+            }
+        }
+        if (caught) __atomic_add_fetch(&st[CAUGHT], 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&st[SPUN_NS], now_ns() - t0, __ATOMIC_RELAXED);
     }
-out:
+    __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(result);
+}
+
+/* notify(state, event_fd, count) -> 1 if it rang the doorbell, 0 if the watching loop takes
+ * the entries, -errno of a failed eventfd write. */
+static PyObject *notify(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    int efd;
+    long long count;
+    if (!PyArg_ParseTuple(args, "KiL", &addr, &efd, &count)) return NULL;
+    int64_t *st = (int64_t *)(uintptr_t)addr;
+    __atomic_add_fetch(&st[PUSHED], count, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&st[AWAKE], __ATOMIC_SEQ_CST)) return PyLong_FromLong(0);
+    uint64_t one = 1;
+    if (write(efd, &one, sizeof one) != (ssize_t)sizeof one) return PyLong_FromLong(-errno);
+    return PyLong_FromLong(1);
 }
 
 
@@ -298,8 +419,11 @@ done:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
-     "run(ring_fd, event_fd) -> 0 once a value >= STOP is written, or -errno.\n"
-     "Submit a ring's pending entries each time a count is written to event_fd."},
+     "run(ring_fd, event_fd, state, spin_ns) -> 0 once a value >= STOP is written, or -errno.\n"
+     "Submit the entries handed over (notify), watching around the next one where steady."},
+    {"notify", notify, METH_VARARGS,
+     "notify(state, event_fd, count) -> 1: rang the doorbell, 0: the watching loop takes them,\n"
+     "-errno: the eventfd write failed. Hand count entries just pushed to the loop."},
     {"spans", spans, METH_VARARGS,
      "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},
@@ -319,7 +443,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__submitter(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddObject(m, "STOP", PyLong_FromUnsignedLongLong(STOP)) < 0) {
+    if (m != NULL && (PyModule_AddObject(m, "STOP", PyLong_FromUnsignedLongLong(STOP)) < 0 ||
+                      PyModule_AddIntConstant(m, "STATE_WORDS", STATE_WORDS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

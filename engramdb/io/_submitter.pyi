@@ -1,6 +1,8 @@
 STOP: int
+STATE_WORDS: int
 
-def run(ring_fd: int, event_fd: int) -> int: ...
+def run(ring_fd: int, event_fd: int, state: int, spin_ns: int) -> int: ...
+def notify(state: int, event_fd: int, count: int) -> int: ...
 def spans(
     ids: object,
     base: object,

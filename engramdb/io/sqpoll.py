@@ -26,9 +26,12 @@ no release store; other architectures submit with ``io_uring_enter``).
 
 **Without the polling thread, a submitter that sleeps** (`Submitter`, the compiled
 ``_submitter.c`` where it is built). A ring from `polled_ring` gets one thread of its own
-that runs a C loop without the GIL, at ``SCHED_IDLE``. The loop sleeps in ``read`` on an
-eventfd, and `submit_pushed` writes the count of entries just pushed there (one
-``eventfd_write``) instead of entering the ring. The thread then calls ``io_uring_enter``
+that runs a C loop without the GIL, at ``SCHED_IDLE``. `submit_pushed` hands it the count
+of entries just pushed (an atomic add to a word shared with the loop) instead of entering
+the ring, and rings an eventfd (one ``eventfd_write``, 50-55 us here) only where the loop
+sleeps. Decode steps come at a steady pace: the loop learns it and watches the shared word
+for a short window around the next hand-over (`SPIN_ENV`; by default from `MIN_CPUS` CPUs
+up), so most cost the engine no system call (1-2 us). The thread then calls ``io_uring_enter``
 on another core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8
 step's 256 reads) leaves the engine's thread. The thread does not spin and needs no GIL,
 so it hands nothing back to the engine; at ``SCHED_IDLE`` it never preempts the engine's
@@ -51,6 +54,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from engramdb._cpus import PROCESS_CPUS, run_as_worker
 from engramdb.io.columns import native_enabled
 from engramdb.io.uring_ring import (
@@ -68,10 +73,13 @@ except ImportError:  # pragma: no cover - built without a C compiler
 __all__ = [
     "IDLE_MS",
     "MIN_CPUS",
+    "SPIN_ENV",
+    "SPIN_US",
     "SQPOLL_ENV",
     "SUBMITTER_ENV",
     "Submitter",
     "polled_ring",
+    "spin_ns",
     "sqpoll_state",
     "submit_pushed",
     "submitter_state",
@@ -82,6 +90,11 @@ __all__ = [
 SQPOLL_ENV = "ENGRAMDB_SQPOLL"
 #: ``0``: no submitter thread (`Submitter`): readers without the polling thread enter the ring.
 SUBMITTER_ENV = "ENGRAMDB_SUBMITTER"
+#: Microseconds: the widest window a `Submitter` watches around a step's expected hand-over
+#: (``0``: never watch; the engine rings its eventfd every step). Unset: `SPIN_US` from
+#: `MIN_CPUS` CPUs up, else 0.
+SPIN_ENV = "ENGRAMDB_SUBMITTER_SPIN_US"
+SPIN_US = 1000
 #: CPUs the process must be allowed on before it spends one on a polling thread by default.
 MIN_CPUS = 4
 #: The polling thread sleeps after this many milliseconds without a submission.
@@ -145,6 +158,19 @@ def step_compiled(name: str) -> Callable[..., Any] | None:
     return getattr(_native_submitter, name, None)
 
 
+def spin_ns() -> int:
+    """The watch window's cap in nanoseconds: `SPIN_ENV` where set, else `SPIN_US` where the
+    process may run on at least `MIN_CPUS` CPUs (the watch spins: like the polling thread,
+    not on a smaller host by default); 0: off."""
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    default = SPIN_US if len(PROCESS_CPUS or os.sched_getaffinity(0)) >= MIN_CPUS else 0
+    try:
+        us = float(raw) if raw else default
+    except ValueError:
+        us = default
+    return int(min(max(us, 0.0), 10_000.0) * 1000)
+
+
 def submitter_state() -> tuple[bool, str]:
     """``(used, why not)``: whether rings without the polling thread get a `Submitter`."""
     if os.environ.get(SUBMITTER_ENV, "").strip() == "0":
@@ -164,28 +190,41 @@ class Submitter:
         assert _native_submitter is not None
         self._efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._gen = _forks[0]  # a forked child has the ring but not the thread
+        # the words shared with the C loop, alone on a cache line: entries handed over, the
+        # loop watching, and its counts (`counts`)
+        words = _native_submitter.STATE_WORDS
+        raw = np.zeros(2 * words, np.int64)
+        at = (-raw.ctypes.data % 64) // 8
+        self._state = raw[at : at + words]
+        self._addr = int(self._state.ctypes.data)
+        self._notify = _native_submitter.notify
         #: The C loop's result once it ended (0 after `stop`, -errno after a failure).
         self.result: int | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(ring.fd,), name="engramdb-submitter", daemon=True
+            target=self._run, args=(ring.fd, spin_ns()), name="engramdb-submitter", daemon=True
         )
         self._thread.start()
 
-    def _run(self, ring_fd: int) -> None:
+    def _run(self, ring_fd: int, spin: int) -> None:
         run_as_worker()
         assert _native_submitter is not None
         try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # pragma: no cover - refused: normal priority
             pass
-        self.result = _native_submitter.run(ring_fd, self._efd)
+        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin)
 
     def wake(self, count: int) -> bool:
         """Hand over ``count`` entries just pushed; False when the thread has ended."""
         if self.result is not None or self._efd < 0 or self._gen != _forks[0]:
             return False
-        os.eventfd_write(self._efd, count)
-        return True
+        return self._notify(self._addr, self._efd, count) >= 0
+
+    def counts(self) -> dict[str, int]:
+        """Hand-overs the loop's watch caught (no system call on the engine's thread) and
+        those the doorbell woke it for, and the nanoseconds it watched."""
+        st = self._state
+        return {"caught": int(st[2]), "rung": int(st[3]), "watched_ns": int(st[4])}
 
     def stop(self) -> None:
         if self._efd < 0 or self._gen != _forks[0]:
