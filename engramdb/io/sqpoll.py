@@ -35,9 +35,9 @@ up), so most cost the engine no system call (1-2 us). The thread then calls ``io
 on another core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8
 step's 256 reads) leaves the engine's thread. The thread spins only in its short watch
 and needs no GIL, so it hands nothing back to the engine; at ``SCHED_IDLE`` it never
-preempts the engine's thread that woke it (at normal priority it did, on the engine's own core: the
-``eventfd_write`` then took 340 us). Where every CPU is busy at normal priority it waits,
-and the step's reads start when the reader waits for them (below).
+preempts the engine's thread that woke it (at normal priority it did, on the engine's own
+core: the ``eventfd_write`` then took 340 us). Where every CPU is busy at normal priority
+it waits, and the step's reads start when the reader waits for them (below).
 
 Nothing waits on that thread: a reader's wait for completions submits whatever is still
 pending itself (``io_uring_enter`` with ``to_submit``; the kernel serializes the two), so
