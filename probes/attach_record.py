@@ -10,8 +10,8 @@ safetensors file holds one V4.1 layer (``embed.weight`` F8_E4M3 ``[N, 256]`` the
 (weight + scale: 264 B rows) and built (``build --from-attached``); every file is evicted
 and then populated by ``populate`` (one sequential pass: 2 MiB page-cache folios, as
 ``engramdb warm`` leaves them), then read once by the CPU (`common.read_once`). Arms, each
-16 batches of 16,384 random ids through ``fetch_into`` on this thread (``ENGRAMDB_GATHER_THREADS=1``), the CPU caches flushed before
-every arm, interleaved ABBA:
+16 batches of 16,384 random ids through ``fetch_into`` on this thread
+(``ENGRAMDB_GATHER_THREADS=1``), the CPU caches flushed before every arm, interleaved ABBA:
 
 * ``np.take(built)``: single-thread ``np.take(out=)`` on the built mapping (the baseline);
 * ``built``: the built table's ``fetch_into``;

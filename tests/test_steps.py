@@ -552,8 +552,9 @@ def test_the_watch_window_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from engramdb.io import sqpoll
 
     on = sqpoll.SPIN_US * 1000
-    for cpus, raw, ns in [(8, "", on), (2, "", 0), (2, "250", 250_000), (8, "0", 0),
-                          (8, "-3", 0), (2, "1e9", 10_000_000), (8, "x", on), (2, "x", 0)]:  # fmt: skip
+    cases = [(8, "", on), (2, "", 0), (2, "250", 250_000), (8, "0", 0), (8, "-3", 0),
+             (2, "1e9", 10_000_000), (8, "x", on), (2, "x", 0)]  # fmt: skip
+    for cpus, raw, ns in cases:
         monkeypatch.setattr(sqpoll, "PROCESS_CPUS", frozenset(range(cpus)))
         monkeypatch.setenv(sqpoll.SPIN_ENV, raw)
         assert sqpoll.spin_ns() == ns, (cpus, raw)

@@ -109,6 +109,11 @@ _fence = threading.Lock()  # acquire + release: a locked instruction, a full fen
 _anchor: dict[str, object] = {"gen": -1, "ring": None, "why": ""}
 
 
+def _process_cpus() -> frozenset[int]:
+    """The CPUs the process had at import (`PROCESS_CPUS`), else this thread's now."""
+    return PROCESS_CPUS or frozenset(os.sched_getaffinity(0))
+
+
 def _anchor_ring() -> Ring | None:
     """The process's anchor ring (its polling thread), made once per process; None (with the
     reason in `sqpoll_state`) where polling is off or refused."""
@@ -117,7 +122,7 @@ def _anchor_ring() -> Ring | None:
         if _anchor["gen"] != gen:  # first use, or a child after fork: the parent's is not ours
             _anchor.update(gen=gen, ring=None, why="")
             setting = os.environ.get(SQPOLL_ENV, "").strip()
-            cpus = sorted(PROCESS_CPUS or os.sched_getaffinity(0))
+            cpus = sorted(_process_cpus())
             n_cpus = len(cpus)
             if setting == "0":
                 _anchor["why"] = f"turned off by {SQPOLL_ENV}=0"
@@ -163,7 +168,7 @@ def spin_ns() -> int:
     process may run on at least `MIN_CPUS` CPUs (the watch spins: like the polling thread,
     not on a smaller host by default); 0: off."""
     raw = os.environ.get(SPIN_ENV, "").strip()
-    default = SPIN_US if len(PROCESS_CPUS or os.sched_getaffinity(0)) >= MIN_CPUS else 0
+    default = SPIN_US if len(_process_cpus()) >= MIN_CPUS else 0
     try:
         us = float(raw) if raw else default
     except ValueError:
@@ -177,7 +182,7 @@ def submitter_state() -> tuple[bool, str]:
         return False, f"turned off by {SUBMITTER_ENV}=0"
     if _native_submitter is None:
         return False, "engramdb.io._submitter is not built (no C compiler at install)"
-    if len(PROCESS_CPUS or os.sched_getaffinity(0)) < 2:
+    if len(_process_cpus()) < 2:
         return False, "one CPU: the submission work would stay on the engine's CPU"
     return True, ""
 
@@ -223,8 +228,8 @@ class Submitter:
     def counts(self) -> dict[str, int]:
         """Hand-overs the loop's watch caught (no system call on the engine's thread) and
         those the doorbell woke it for, and the nanoseconds it watched."""
-        st = self._state
-        return {"caught": int(st[2]), "rung": int(st[3]), "watched_ns": int(st[4])}
+        caught, rung, watched_ns = (int(x) for x in self._state[2:5])  # the C loop's words
+        return {"caught": caught, "rung": rung, "watched_ns": watched_ns}
 
     def stop(self) -> None:
         if self._efd < 0 or self._gen != _forks[0]:
