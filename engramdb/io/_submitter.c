@@ -13,7 +13,10 @@
  * pace, so the loop learns the interval between hand-overs, sleeps on a timer until just
  * before the next is due and then watches a shared word for a short window: a hand-over
  * that comes inside it costs the engine an atomic add and a load, no system call. Outside
- * the window (or with spin_ns 0) the engine rings the eventfd, as a doorbell.
+ * the window (or with spin_ns 0) the engine rings the eventfd, as a doorbell. The loop
+ * watches by spinning, or (nap_ns > 0, for hosts with few CPUs, where a spinning thread
+ * takes the core the kernel's I/O work needs) by short timed sleeps: the hand-over then
+ * waits up to a nap before its reads start, and the engine still makes no system call.
  *
  * The shared words (int64, `state`): [PUSHED] entries handed over in all (the engine adds),
  * [AWAKE] 1 while the loop watches (the engine then skips the doorbell), [CAUGHT] / [RUNG]
@@ -33,6 +36,7 @@
 #include <sched.h>
 #include <string.h>
 #include <stdint.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -69,17 +73,30 @@ static long submit(int ring_fd, int64_t n) {
     return 0;
 }
 
-/* run(ring_fd, event_fd, state, spin_ns) -> 0 once told to stop, or -errno of a failed read,
- * poll or enter. state: the address of the shared words (kept alive by the caller);
- * spin_ns: the widest watch window (0: never watch, the doorbell only). */
+/* Sleep up to nap_ns or until the eventfd is readable: 1 if it is (the doorbell or STOP),
+ * 0 after the nap, -errno of a failed poll. */
+static int nap_on(int efd, int64_t nap_ns) {
+    struct timespec ts = {(time_t)(nap_ns / 1000000000LL), (long)(nap_ns % 1000000000LL)};
+    struct pollfd pfd = {efd, POLLIN, 0};
+    int r = ppoll(&pfd, 1, &ts, NULL);
+    if (r < 0) return errno == EINTR ? 0 : -errno;
+    return r > 0;
+}
+
+/* run(ring_fd, event_fd, state, spin_ns, nap_ns) -> 0 once told to stop, or -errno of a
+ * failed read, poll or enter. state: the address of the shared words (kept alive by the
+ * caller); spin_ns: the widest watch window (0: never watch, the doorbell only); nap_ns: 0
+ * to watch by spinning, else the length of each sleep of a napping watch. */
 static PyObject *run(PyObject *self, PyObject *args) {
     int ring_fd, efd;
     unsigned long long addr;
-    long long spin_max;
-    if (!PyArg_ParseTuple(args, "iiKL", &ring_fd, &efd, &addr, &spin_max)) return NULL;
+    long long spin_max, nap = 0;
+    if (!PyArg_ParseTuple(args, "iiKL|L", &ring_fd, &efd, &addr, &spin_max, &nap)) return NULL;
     int64_t *st = (int64_t *)(uintptr_t)addr;
     long result = 0;
     Py_BEGIN_ALLOW_THREADS
+    /* timed sleeps end when asked (the default slack of 50 us is a napping watch's length) */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     int64_t done = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
     int64_t last = 0, period = 0, dev = 0;
     for (;;) {
@@ -148,6 +165,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 caught = 1;
                 break;
             }
+            if (nap > 0) { /* a napping watch: the doorbell or STOP ends it at once */
+                if (now_ns() >= end) break;
+                int n = nap_on(efd, nap);
+                if (n < 0) result = n;
+                if (n != 0) break;
+                continue;
+            }
             relax();
             if ((k & 255) == 0) { /* another ring's loop on this CPU gets its turn */
                 if (now_ns() >= end) break;
@@ -156,6 +180,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         }
         if (caught) __atomic_add_fetch(&st[CAUGHT], 1, __ATOMIC_RELAXED);
         __atomic_add_fetch(&st[SPUN_NS], now_ns() - t0, __ATOMIC_RELAXED);
+        if (result < 0) break;
     }
     __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
     Py_END_ALLOW_THREADS
@@ -419,7 +444,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
-     "run(ring_fd, event_fd, state, spin_ns) -> 0 once a value >= STOP is written, or -errno.\n"
+     "run(ring_fd, event_fd, state, spin_ns, nap_ns=0) -> 0 once a value >= STOP is written, or\n"
+     "-errno.\n"
      "Submit the entries handed over (notify), watching around the next one where steady."},
     {"notify", notify, METH_VARARGS,
      "notify(state, event_fd, count) -> 1: rang the doorbell, 0: the watching loop takes them,\n"

@@ -30,14 +30,15 @@ that runs a C loop without the GIL, at ``SCHED_IDLE``. `submit_pushed` hands it 
 of entries just pushed (an atomic add to a word shared with the loop) instead of entering
 the ring, and rings an eventfd (one ``eventfd_write``, 50-55 us here) only where the loop
 sleeps. Decode steps come at a steady pace: the loop learns it and watches the shared word
-for a short window around the next hand-over (`SPIN_ENV`; by default from `MIN_CPUS` CPUs
-up), so most cost the engine no system call (1-2 us). The thread then calls ``io_uring_enter``
-on another core, and the kernel's ~1.8 us a read of submission work (~460 us for a B=8
-step's 256 reads) leaves the engine's thread. The thread spins only in its short watch
-and needs no GIL, so it hands nothing back to the engine; at ``SCHED_IDLE`` it never
-preempts the engine's thread that woke it (at normal priority it did, on the engine's own
-core: the ``eventfd_write`` then took 340 us). Where every CPU is busy at normal priority
-it waits, and the step's reads start when the reader waits for them (below).
+for a short window around the next hand-over (`SPIN_ENV`), spinning from `MIN_CPUS` CPUs up
+and in short sleeps below (`NAP_ENV`), so most cost the engine no system call (1-2 us). The
+thread then calls ``io_uring_enter`` on another core, and the kernel's ~1.8 us a read of
+submission work (~460 us for a B=8 step's 256 reads) leaves the engine's thread. The thread
+spins (or naps) only in its short watch and needs no GIL, so it hands nothing back to the
+engine; at ``SCHED_IDLE`` it never preempts the engine's thread that woke it (at normal
+priority it did, on the engine's own core: the ``eventfd_write`` then took 340 us). Where
+every CPU is busy at normal priority it waits, and the step's reads start when the reader
+waits for them (below).
 
 Nothing waits on that thread: a reader's wait for completions submits whatever is still
 pending itself (``io_uring_enter`` with ``to_submit``; the kernel serializes the two), so
@@ -73,11 +74,14 @@ except ImportError:  # pragma: no cover - built without a C compiler
 __all__ = [
     "IDLE_MS",
     "MIN_CPUS",
+    "NAP_ENV",
+    "NAP_US",
     "SPIN_ENV",
     "SPIN_US",
     "SQPOLL_ENV",
     "SUBMITTER_ENV",
     "Submitter",
+    "nap_ns",
     "polled_ring",
     "spin_ns",
     "sqpoll_state",
@@ -91,10 +95,14 @@ SQPOLL_ENV = "ENGRAMDB_SQPOLL"
 #: ``0``: no submitter thread (`Submitter`): readers without the polling thread enter the ring.
 SUBMITTER_ENV = "ENGRAMDB_SUBMITTER"
 #: Microseconds: the widest window a `Submitter` watches around a step's expected hand-over
-#: (``0``: never watch; the engine rings its eventfd every step). Unset: `SPIN_US` from
-#: `MIN_CPUS` CPUs up, else 0.
+#: (``0``: never watch; the engine rings its eventfd every step). Unset: `SPIN_US`.
 SPIN_ENV = "ENGRAMDB_SUBMITTER_SPIN_US"
 SPIN_US = 1000
+#: Microseconds: how the watch waits inside its window: ``0`` spins, ``N`` sleeps ``N`` us at
+#: a time (a hand-over then waits up to that long for its reads to start). Unset: spin from
+#: `MIN_CPUS` CPUs up, else `NAP_US`.
+NAP_ENV = "ENGRAMDB_SUBMITTER_NAP_US"
+NAP_US = 50
 #: CPUs the process must be allowed on before it spends one on a polling thread by default.
 MIN_CPUS = 4
 #: The polling thread sleeps after this many milliseconds without a submission.
@@ -163,17 +171,27 @@ def step_compiled(name: str) -> Callable[..., Any] | None:
     return getattr(_native_submitter, name, None)
 
 
-def spin_ns() -> int:
-    """The watch window's cap in nanoseconds: `SPIN_ENV` where set, else `SPIN_US` where the
-    process may run on at least `MIN_CPUS` CPUs (the watch spins: like the polling thread,
-    not on a smaller host by default); 0: off."""
-    raw = os.environ.get(SPIN_ENV, "").strip()
-    default = SPIN_US if len(_process_cpus()) >= MIN_CPUS else 0
+def _env_us(name: str, default: float) -> int:
+    """The microseconds setting ``name`` (unset or not a number: ``default``), clamped to
+    0..10 ms, in nanoseconds."""
+    raw = os.environ.get(name, "").strip()
     try:
         us = float(raw) if raw else default
     except ValueError:
         us = default
     return int(min(max(us, 0.0), 10_000.0) * 1000)
+
+
+def spin_ns() -> int:
+    """The watch window's cap in nanoseconds: `SPIN_ENV` where set, else `SPIN_US`; 0: off."""
+    return _env_us(SPIN_ENV, SPIN_US)
+
+
+def nap_ns() -> int:
+    """How the watch waits, in nanoseconds: 0 spins (by default where the process may run on
+    at least `MIN_CPUS` CPUs: like the polling thread, not on a smaller host), else each of
+    its sleeps (`NAP_US` by default below `MIN_CPUS`); `NAP_ENV` where set."""
+    return _env_us(NAP_ENV, 0 if len(_process_cpus()) >= MIN_CPUS else NAP_US)
 
 
 def submitter_state() -> tuple[bool, str]:
@@ -206,18 +224,21 @@ class Submitter:
         #: The C loop's result once it ended (0 after `stop`, -errno after a failure).
         self.result: int | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(ring.fd, spin_ns()), name="engramdb-submitter", daemon=True
+            target=self._run,
+            args=(ring.fd, spin_ns(), nap_ns()),
+            name="engramdb-submitter",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, ring_fd: int, spin: int) -> None:
+    def _run(self, ring_fd: int, spin: int, nap: int) -> None:
         run_as_worker()
         assert _native_submitter is not None
         try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # pragma: no cover - refused: normal priority
             pass
-        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin)
+        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin, nap)
 
     def wake(self, count: int) -> bool:
         """Hand over ``count`` entries just pushed; False when the thread has ended."""
