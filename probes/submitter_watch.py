@@ -8,7 +8,7 @@ rows, ``--table-gb`` in all; reused from ``--dir`` when there), evicted before e
 Each child process opens them (no background warm: they stay cold), pins its decoding
 thread to ``--engine-cpu`` and runs ``--steps`` paced steps of a `Decoder` with prefetch on:
 ``push`` (hash the next step, hand its reads over), then a stand-in for the model's step
-(``--step-ms`` +-10 %, a loop over a 4 MB buffer that evicts the caches as a step would),
+(``--step-ms`` +- ``--jitter``, 10 % by default, a loop over a 4 MB buffer that evicts the caches as a step would),
 then every layer's ``fill``. The children alternate watch off (``ENGRAMDB_SUBMITTER_SPIN_US=0``,
 the default under 4 CPUs) and on (``--spin-us``), ``--rounds`` times, in one run.
 
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         ids = dec.push(toks)
         t1 = time.perf_counter()
-        end = t1 + args.step_ms / 1e3 * (0.9 + 0.2 * rng.random())
+        end = t1 + args.step_ms / 1e3 * (1 + args.jitter * (2 * rng.random() - 1))
         while time.perf_counter() < end:
             work *= 1.0000001
         t2 = time.perf_counter()
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--jitter", type=float, default=0.1, help="step length +- this share")
     ap.add_argument("--spin-us", type=float, default=1000.0)
     ap.add_argument("--nap-us", type=float, default=50.0)
     ap.add_argument("--modes", default="off,spin,nap", help="of off, spin, nap")
@@ -197,7 +198,16 @@ def main() -> None:
                 spin, nap = modes[mode]
                 env = dict(env0, ENGRAMDB_SUBMITTER_SPIN_US=spin, ENGRAMDB_SUBMITTER_NAP_US=nap)
                 cmd = [sys.executable, __file__, "--child", "--dir", str(root)]
-                for k in ("table_gb", "batch", "step_ms", "steps", "engine_cpu", "hidden", "vocab"):
+                for k in (
+                    "table_gb",
+                    "batch",
+                    "step_ms",
+                    "jitter",
+                    "steps",
+                    "engine_cpu",
+                    "hidden",
+                    "vocab",
+                ):
                     cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if res.returncode != 0:

@@ -556,6 +556,32 @@ def test_the_submitter_watches_for_steady_steps(
         assert c["caught"] + c["rung"] <= steps + 2, c
 
 
+def test_a_hand_over_carries_the_engines_clock() -> None:
+    """`notify` adds the count and stamps the engine's monotonic clock beside it (the loop
+    learns the pace from those stamps, not from when it saw them); it rings the eventfd
+    only while the loop is not watching."""
+    from engramdb.io import sqpoll
+
+    native = sqpoll._native_submitter
+    if native is None:
+        pytest.skip("engramdb.io._submitter is not built")
+    state = np.zeros(native.STATE_WORDS, np.int64)
+    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    try:
+        before = time.monotonic_ns()
+        assert native.notify(int(state.ctypes.data), efd, 3) == 1  # not watching: rung
+        after = time.monotonic_ns()
+        assert state[0] == 3 and before <= state[5] <= after
+        assert os.eventfd_read(efd) == 1
+        state[1] = 1  # the loop watches: no doorbell
+        assert native.notify(int(state.ctypes.data), efd, 2) == 0
+        assert state[0] == 5 and state[5] >= after
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(efd)
+    finally:
+        os.close(efd)
+
+
 def test_the_watch_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The watch's window is `SPIN_US` unless set; it spins from `MIN_CPUS` CPUs up and naps
     `NAP_US` at a time below; each setting wins anywhere, clamped to 0..10 ms."""

@@ -20,7 +20,8 @@
  *
  * The shared words (int64, `state`): [PUSHED] entries handed over in all (the engine adds),
  * [AWAKE] 1 while the loop watches (the engine then skips the doorbell), [CAUGHT] / [RUNG]
- * hand-overs the watch caught / the doorbell woke it for, [SPUN_NS] time spent watching.
+ * hand-overs the watch caught / the doorbell woke it for, [SPUN_NS] time spent watching,
+ * [AT_NS] the engine's clock at its last hand-over (the pace is learnt from it).
  * The loop clears AWAKE and then reads PUSHED; the engine adds to PUSHED and then reads
  * AWAKE, both sequentially consistent: one of the two always sees the other's write, so a
  * hand-over is never left waiting for the next.
@@ -42,7 +43,7 @@
 #include <unistd.h>
 
 #define STOP (1ULL << 62)
-enum { PUSHED = 0, AWAKE = 1, CAUGHT = 2, RUNG = 3, SPUN_NS = 4, STATE_WORDS = 8 };
+enum { PUSHED = 0, AWAKE = 1, CAUGHT = 2, RUNG = 3, SPUN_NS = 4, AT_NS = 5, STATE_WORDS = 8 };
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -102,10 +103,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
     for (;;) {
         int64_t p = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
         if (p != done) {
+            /* the pace from the engine's own clock at its hand-over: when this loop saw it
+             * lags by a wake-up, a nap or a submission, and a late pace misses the next */
+            int64_t t = __atomic_load_n(&st[AT_NS], __ATOMIC_RELAXED);
+            if (t == 0) t = now_ns();
             result = submit(ring_fd, p - done);
             if (result < 0) break;
             done = p;
-            int64_t t = now_ns();
             if (last) { /* the pace: a running mean of the interval and of its deviation */
                 int64_t d = t - last;
                 if (period == 0 || d > 4 * period || 4 * d < period) {
@@ -123,6 +127,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
          * (two deviations either side, at least 50 us, at most spin_ns) */
         int64_t w = 2 * dev + 20000;
         if (w < 50000) w = 50000;
+        if (w < 2 * nap) w = 2 * nap; /* a napping watch: at least two naps either side */
         if (w > spin_max) w = spin_max;
         int64_t due = last + period, t = now_ns();
         int watch = w > 0 && period > 0 && period < 200000000LL && t < due + w;
@@ -195,6 +200,7 @@ static PyObject *notify(PyObject *self, PyObject *args) {
     long long count;
     if (!PyArg_ParseTuple(args, "KiL", &addr, &efd, &count)) return NULL;
     int64_t *st = (int64_t *)(uintptr_t)addr;
+    __atomic_store_n(&st[AT_NS], now_ns(), __ATOMIC_RELAXED); /* seen with PUSHED's add */
     __atomic_add_fetch(&st[PUSHED], count, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&st[AWAKE], __ATOMIC_SEQ_CST)) return PyLong_FromLong(0);
     uint64_t one = 1;
