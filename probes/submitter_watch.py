@@ -1,16 +1,20 @@
-"""The submitter's watch: what a step's hand-over costs the engine's thread, watch off vs on.
+"""The submitter's watch: what a step's hand-over costs the engine's thread, off / spin / nap.
 
-    python probes/submitter_watch.py [--table-gb 5.1] [--batch 8] [--step-ms 10] [--steps 400]
-        [--rounds 2] [--spin-us 1000] [--engine-cpu 0] [--dir D] [--keep]
+    python probes/submitter_watch.py [--table-gb 5.1] [--batch 8] [--step-ms 10] [--jitter 0.1]
+        [--steps 400] [--rounds 2] [--modes off,spin,nap] [--spin-us 1000] [--nap-us 50]
+        [--engine-cpu 0] [--dir D] [--keep]
 
 The end-to-end probe's two attached engram tables (``e2e_decode.build_tables``: raw f32
 rows, ``--table-gb`` in all; reused from ``--dir`` when there), evicted before every child.
 Each child process opens them (no background warm: they stay cold), pins its decoding
 thread to ``--engine-cpu`` and runs ``--steps`` paced steps of a `Decoder` with prefetch on:
 ``push`` (hash the next step, hand its reads over), then a stand-in for the model's step
-(``--step-ms`` +- ``--jitter``, 10 % by default, a loop over a 4 MB buffer that evicts the caches as a step would),
-then every layer's ``fill``. The children alternate watch off (``ENGRAMDB_SUBMITTER_SPIN_US=0``,
-the default under 4 CPUs) and on (``--spin-us``), ``--rounds`` times, in one run.
+(``--step-ms`` +- ``--jitter`` of it, a loop over a 4 MB buffer that evicts the caches as a
+step would), then every layer's ``fill``. The children alternate the watch's modes
+(``--modes``), ``--rounds`` times, in one run: ``off`` (``ENGRAMDB_SUBMITTER_SPIN_US=0``: the
+engine rings the eventfd every step), ``spin`` (a window of up to ``--spin-us``, spinning:
+the default from 4 CPUs up) and ``nap`` (the same window, sleeping ``--nap-us`` at a time:
+the default below 4 CPUs).
 
 Per child: ``push`` and ``fill`` p50 / mean (the first 20 steps left out), one hand-over's
 cost split into those the watch caught (no system call) and those that rang the eventfd
