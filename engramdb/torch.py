@@ -342,7 +342,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 reader = self._reader = StepReader()
             ticket = StepTicket(flat)
             store: Any = self.store  # a local table: `_fast` holds
-            if not reader.submit([(store, flat, ticket)]):
+            if not reader.submit([(store, flat, ticket)], ordered=True):
                 ticket = None
         if ticket is None:
             ticket = pf.submit_trusted(flat, keep_rows=True)

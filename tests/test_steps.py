@@ -485,7 +485,7 @@ def test_entries_the_submitter_never_takes_are_submitted_by_the_wait(
     assert ring is not None and ring.wake is not None
     sub = ring.wake.__self__  # type: ignore[attr-defined]
     assert isinstance(sub, sqpoll.Submitter)
-    ring.wake = lambda n: True  # says it took them, never submits: the wait must
+    ring.wake = lambda n, *order: True  # says it took them, never submits: the wait must
     for _ in range(3):
         ids = _edges(st.n_rows, rng, 100)
         (rows,) = _read(reader, [(st, ids)])

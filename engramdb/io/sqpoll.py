@@ -225,32 +225,37 @@ class Submitter:
         self.result: int | None = None
         self._thread = threading.Thread(
             target=self._run,
-            args=(ring.fd, spin_ns(), nap_ns()),
+            args=(ring.fd, spin_ns(), nap_ns(), int(ring.cq_tail.ctypes.data)),
             name="engramdb-submitter",
             daemon=True,
         )
         self._thread.start()
 
-    def _run(self, ring_fd: int, spin: int, nap: int) -> None:
+    def _run(self, ring_fd: int, spin: int, nap: int, cq_tail: int) -> None:
         run_as_worker()
         assert _native_submitter is not None
         try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # pragma: no cover - refused: normal priority
             pass
-        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin, nap)
+        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin, nap, cq_tail)
 
-    def wake(self, count: int) -> bool:
-        """Hand over ``count`` entries just pushed; False when the thread has ended."""
+    def wake(self, count: int, first: int = 0, lead: int = 0, after: int = 0) -> bool:
+        """Hand over ``count`` entries just pushed; False when the thread has ended. The
+        loop submits the first ``first`` of them alone and the rest once those are read (0:
+        all at once); publishes ``lead`` (> 0) once all are read; submits none before the
+        process's loops published ``after`` (`wait_for`). Each wait lasts at most 3 ms."""
         if self.result is not None or self._efd < 0 or self._gen != _forks[0]:
             return False
-        return self._notify(self._addr, self._efd, count) >= 0
+        return self._notify(self._addr, self._efd, count, first, lead, after) >= 0
 
     def counts(self) -> dict[str, int]:
         """Hand-overs the loop's watch caught (no system call on the engine's thread) and
-        those the doorbell woke it for, and the nanoseconds it watched."""
+        those the doorbell woke it for, the nanoseconds it watched, and the hand-overs it
+        submitted in two parts (`wake`'s ``first``)."""
         caught, rung, watched_ns = (int(x) for x in self._state[2:5])  # the C loop's words
-        return {"caught": caught, "rung": rung, "watched_ns": watched_ns}
+        held = int(self._state[7])
+        return {"caught": caught, "rung": rung, "watched_ns": watched_ns, "held": held}
 
     def stop(self) -> None:
         if self._efd < 0 or self._gen != _forks[0]:
@@ -281,14 +286,16 @@ def polled_ring(entries: int) -> Ring:
     return ring
 
 
-def submit_pushed(ring: Ring, count: int) -> int:
+def submit_pushed(ring: Ring, count: int, first: int = 0, lead: int = 0, after: int = 0) -> int:
     """Hand the ``count`` entries just pushed (`Ring.push`) to the kernel: the polling
     thread picks them up (woken if it sleeps), or one ``io_uring_enter`` submits them.
-    Returns 0, or ``-errno`` of a failed ``io_uring_enter``. A ring with a `Submitter`
-    hands the entries to it (its reader's wait submits any it has not)."""
+    Returns 0, 1 where a `Submitter` took them, or ``-errno`` of a failed
+    ``io_uring_enter``. A `Submitter` (its reader's wait submits any it has not) keeps the
+    order ``first`` / ``lead`` / ``after`` ask for (`Submitter.wake`: a step's first layer
+    read first); the other ways submit all at once."""
     wake = ring.wake
-    if wake is not None and wake(count):
-        return 0
+    if wake is not None and wake(count, first, lead, after):
+        return 1
     if ring.sqpoll:
         with _fence:  # the tail store reaches memory before the flag is read
             pass

@@ -211,7 +211,7 @@ class Ring:
             raise
         #: Hands entries just pushed to a thread that submits them (`engramdb.io.sqpoll`);
         #: returns False when it cannot (the caller then submits). None: no such thread.
-        self.wake: Callable[[int], bool] | None = None
+        self.wake: Callable[[int, int, int, int], bool] | None = None
         #: Called first by `close` (a submitter thread's stop).
         self.closers: list[Callable[[], None]] = []
         self.broken = False

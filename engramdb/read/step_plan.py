@@ -21,6 +21,7 @@ __all__ = [
     "StepTicket",
     "grid_view",
     "plan_spans",
+    "staged",
     "stride",
 ]
 
@@ -191,3 +192,13 @@ def plan_spans(plan: Plan, ids: list[np.ndarray]) -> None:
     np.bitwise_and(span, plan.mask, out=span)
     np.add.reduceat(span, plan.starts, out=plan.part_span)
     plan.span_total = int(plan.part_span.sum())
+
+
+def staged(stage: np.ndarray, plan: Plan) -> np.ndarray:
+    """A ring's staging entries (``stage``, submission entries) for a step of ``plan``:
+    descriptor, address and tag (the request's index) of each request filled in."""
+    st = stage[: plan.n]
+    st["fd"] = plan.fd
+    st["addr"] = plan.addr
+    st["user_data"] = np.arange(plan.n, dtype=np.uint64)
+    return st

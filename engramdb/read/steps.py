@@ -68,6 +68,7 @@ from engramdb.io.uring_ring import (
     open_direct,
 )
 from engramdb.layouts.geometry import PAGE
+from engramdb.read import read_order
 from engramdb.read.step_plan import (
     CANCELLED,
     DONE,
@@ -78,10 +79,12 @@ from engramdb.read.step_plan import (
     StepTable,
     StepTicket,
     plan_spans,
+    staged,
     stride,
 )
 
 __all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
+_Job = tuple[StepTable, np.ndarray, StepTicket]  # a layer's table, row ids and ticket
 
 # How long a step's reads keep the device busy, for the background warm's gap reading: a
 # random 4 KiB read's latency, plus one read at the device's random-read rate (measured here:
@@ -177,7 +180,7 @@ class StepReader:
             return -1, 0
         return dfd, align
 
-    def _plan_for(self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]]) -> Plan | None:
+    def _plan_for(self, jobs: list[_Job]) -> Plan | None:
         key = tuple((id(store), int(ids.size)) for store, ids, _ in jobs)
         plan = self._plans.get(key)
         if plan is not None:
@@ -218,10 +221,12 @@ class StepReader:
         return buf
 
     # -- submission --------------------------------------------------------------------------
-    def submit(self, jobs: list[tuple[StepTable, np.ndarray, StepTicket]]) -> bool:
+    def submit(self, jobs: list[_Job], ordered: bool = False) -> bool:
         """Start the reads of one step: ``(table, ids, ticket)`` per layer, in the order the
         engine needs them (validated int64 ids of any shape; a ticket's rows come back in
-        their order). False, with nothing submitted, for a step it cannot read."""
+        their order), the first layer's read first; ``ordered``: after other readers' steps
+        too (`engramdb.read.read_order`). False, with nothing submitted, for a step it cannot
+        read."""
         if self._left:
             self.drain()
         n = sum(int(ids.size) for _, ids, _ in jobs)
@@ -254,7 +259,7 @@ class StepReader:
                 if self._ring_plan is not plan:
                     self._cols.clear()
                     self._ring_plan = plan
-                ring.sqes[pos : pos + n] = _staged(ring, plan)
+                ring.sqes[pos : pos + n] = staged(ring.stage, plan)
                 words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
                 cols = self._cols[pos] = (words[:, 1], words[:, 3])
             if computed or not self._spans_compiled(layer_ids, plan, ring, pos):
@@ -268,7 +273,7 @@ class StepReader:
                 plan_spans(plan, layer_ids)
             self._cols.clear()
             self._ring_plan = None
-            st = _staged(ring, plan)
+            st = staged(ring.stage, plan)
             st["off"] = plan.tmp
             st["len"] = plan.span
             ring.push(n)
@@ -291,7 +296,11 @@ class StepReader:
                 store.note_buffered_read()  # a table that fits starts its background warm
         self._tickets = [j[2] for j in jobs]
         self._counts = np.zeros(len(jobs), np.int64)
-        r = submit_pushed(ring, n)
+        # the first layer's reads first: the device serves a batch interleaved (`read_order`)
+        lead, after = read_order.begin(self) if ordered else (0, 0)
+        r = submit_pushed(ring, n, jobs[0][1].size if len(jobs) > 1 else 0, lead, after)
+        if lead:
+            read_order.led(r == 1)
         # the background warm reads around these reads: about their device time
         FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
         if r < 0:
@@ -346,14 +355,15 @@ class StepReader:
         self._left = 0
         return True
 
-    def _reap(self, wait: bool) -> None:
+    def _reap(self, wait: bool, hold: int = 0) -> None:
         """Route the completions in the ring (waiting for one first where ``wait`` and there
-        are none) into ``_got`` and the tickets' counts."""
+        are none, submitting any entries still pending but the last ``hold``) into ``_got``
+        and the tickets' counts."""
         ring, plan = self._ring, self._plan
         assert ring is not None and plan is not None
         n = self._route(ring, plan)
         if n == 0 and wait:
-            r = _wait(ring, 1)
+            r = _wait(ring, 1, hold)
             if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
                 raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
             n = self._route(ring, plan)
@@ -381,6 +391,7 @@ class StepReader:
         land together) and checks them all; each ticket then copies its rows out."""
         if t.state != RUNNING:
             return
+        read_order.end()
         plan = self._checked_plan(t)
         if plan is None:
             t.error, t.state = self._error, FAILED
@@ -406,6 +417,7 @@ class StepReader:
         tickets = self._tickets if t is None else [t]
         if not tickets or any(tk.state != RUNNING for tk in tickets):
             return False
+        read_order.end()
         plan = self._checked_plan(t)
         if plan is None:
             err = self._error
@@ -443,7 +455,8 @@ class StepReader:
             if (int(self._ring.cq_tail[0]) - head) & 0xFFFFFFFF < self._left:  # type: ignore[union-attr]
                 k = tickets.index(t)
                 while self._counts[k] < t.hi - t.lo:
-                    self._reap(wait=True)
+                    # the later tickets' entries stay for the submitter (`submit`'s order)
+                    self._reap(wait=True, hold=plan.n - t.hi)
                 lo, hi = t.lo, t.hi
                 got, span = self._got[lo:hi], plan.span[lo:hi]
                 if not np.array_equal(got, span):
@@ -561,23 +574,13 @@ class StepReader:
             self._plans.clear()
 
 
-def _wait(ring: Ring, count: int) -> int:
+def _wait(ring: Ring, count: int, hold: int = 0) -> int:
     """Wait for ``count`` more completions (the GIL released meanwhile), waking a polling
-    thread gone to sleep, or submitting the entries a `Submitter` has not yet;
-    ``io_uring_enter``'s result."""
+    thread gone to sleep, or submitting the entries a `Submitter` has not yet but the last
+    ``hold`` (later layers', left to it); ``io_uring_enter``'s result."""
     if ring.sqpoll:
         return enter(ring.fd, 0, count, IORING_ENTER_GETEVENTS | IORING_ENTER_SQ_WAKEUP)
-    return enter(ring.fd, ring.unsubmitted(), count, IORING_ENTER_GETEVENTS)
-
-
-def _staged(ring: Ring, plan: Plan) -> np.ndarray:
-    """The ring's staging entries for a step of ``plan``: descriptor, address and tag (the
-    request's index) of each request filled in."""
-    st = ring.stage[: plan.n]
-    st["fd"] = plan.fd
-    st["addr"] = plan.addr
-    st["user_data"] = np.arange(plan.n, dtype=np.uint64)
-    return st
+    return enter(ring.fd, max(0, ring.unsubmitted() - hold), count, IORING_ENTER_GETEVENTS)
 
 
 def _release(direct: list[int], owned: list[object]) -> None:
