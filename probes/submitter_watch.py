@@ -58,9 +58,9 @@ def child(args: argparse.Namespace) -> None:
         raise SystemExit("engramdb.io._submitter is not built (or turned off)")
     calls: dict[int, list[float]] = {0: [], 1: []}  # notify's result: 1 rang, 0 caught
 
-    def timed(addr: int, efd: int, count: int) -> int:
+    def timed(addr: int, efd: int, count: int, *order: int) -> int:
         t0 = time.perf_counter()
-        r = notify(addr, efd, count)
+        r = notify(addr, efd, count, *order)  # order: first, lead, after (`Submitter.wake`)
         calls[int(r > 0)].append(time.perf_counter() - t0)
         return int(r)
 
@@ -110,7 +110,7 @@ def child(args: argparse.Namespace) -> None:
     n = args.steps - WARMUP
     extra_cpu = (time.process_time() - cpu0[0]) - (time.thread_time() - cpu0[1])
     ok = check_rows(out, ids, root)
-    counts: dict[str, int] = {"caught": 0, "rung": 0, "watched_ns": 0}
+    counts: dict[str, int] = {"caught": 0, "rung": 0, "watched_ns": 0, "held": 0}
     for s in subs:
         for k, v in s.counts().items():
             counts[k] += v - at_warmup.get(id(s), {}).get(k, 0)
@@ -126,6 +126,7 @@ def child(args: argparse.Namespace) -> None:
                 "rung_us": median(calls[1]) * 1e6 if calls[1] else None,
                 "caught": counts["caught"],
                 "rung": counts["rung"],
+                "held": counts["held"],
                 "watched_ms_per_step": counts["watched_ns"] / 1e6 / n,
                 "other_cpu_ms_per_step": extra_cpu * 1e3 / n,
                 "spin_ns": sqpoll.spin_ns(),

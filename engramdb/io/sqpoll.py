@@ -243,16 +243,17 @@ class Submitter:
     def wake(self, count: int, first: int = 0, lead: int = 0, after: int = 0) -> bool:
         """Hand over ``count`` entries just pushed; False when the thread has ended. The
         loop submits the first ``first`` of them alone and the rest once those are read (0:
-        all at once); publishes ``lead`` (> 0) once all are read; submits none before the
-        process's loops published ``after`` (`wait_for`). Each wait lasts at most 3 ms."""
+        all at once); publishes ``lead`` (> 0) once all are read; submits none before a
+        loop of the process published ``after`` (another ring's ``lead``:
+        `engramdb.read.read_order`). Each hold lasts at most 3 ms."""
         if self.result is not None or self._efd < 0 or self._gen != _forks[0]:
             return False
         return self._notify(self._addr, self._efd, count, first, lead, after) >= 0
 
     def counts(self) -> dict[str, int]:
         """Hand-overs the loop's watch caught (no system call on the engine's thread) and
-        those the doorbell woke it for, the nanoseconds it watched, and the hand-overs it
-        submitted in two parts (`wake`'s ``first``)."""
+        those the doorbell woke it for, the nanoseconds it watched, and the hand-overs whose
+        reads it held back (`wake`'s ``first`` and ``after``)."""
         caught, rung, watched_ns = (int(x) for x in self._state[2:5])  # the C loop's words
         held = int(self._state[7])
         return {"caught": caught, "rung": rung, "watched_ns": watched_ns, "held": held}
