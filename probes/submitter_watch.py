@@ -110,10 +110,10 @@ def child(args: argparse.Namespace) -> None:
     n = args.steps - WARMUP
     extra_cpu = (time.process_time() - cpu0[0]) - (time.thread_time() - cpu0[1])
     ok = check_rows(out, ids, root)
-    counts: dict[str, int] = {"caught": 0, "rung": 0, "watched_ns": 0, "held": 0}
+    counts: dict[str, int] = {"caught": 0, "rung": 0, "watched_ns": 0, "held": 0}  # printed
     for s in subs:
         for k, v in s.counts().items():
-            counts[k] += v - at_warmup.get(id(s), {}).get(k, 0)
+            counts[k] = counts.get(k, 0) + v - at_warmup.get(id(s), {}).get(k, 0)
     db.close()
     print(
         json.dumps(

@@ -86,21 +86,24 @@ static inline void relax(void) {
 #endif
 }
 
-/* Submit n entries; -errno of a failed io_uring_enter, else 0. */
+/* Submit n entries: how many this call submitted (fewer where the engine's wait took some),
+ * or -errno of a failed io_uring_enter. */
 static long submit(int ring_fd, int64_t n) {
-    while (n > 0) {
+    int64_t sent = 0;
+    while (sent < n) {
+        int64_t left = n - sent;
         long s = syscall(__NR_io_uring_enter, ring_fd,
-                         (unsigned)(n > 0xFFFFFFFFLL ? 0xFFFFFFFFu : (uint64_t)n), 0u, 0u, NULL,
-                         (size_t)0);
+                         (unsigned)(left > 0xFFFFFFFFLL ? 0xFFFFFFFFu : (uint64_t)left), 0u, 0u,
+                         NULL, (size_t)0);
         if (s < 0) {
             if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EBUSY) return 0; /* the engine's wait submits */
+            if (errno == EAGAIN || errno == EBUSY) break; /* the engine's wait submits */
             return -errno;
         }
-        if (s == 0) return 0; /* nothing pending: the engine's wait took them */
-        n -= s;
+        if (s == 0) break; /* nothing pending: the engine's wait took them */
+        sent += s;
     }
-    return 0;
+    return (long)sent;
 }
 
 /* Sleep up to nap_ns or until the eventfd is readable: 1 if it is (the doorbell or STOP),
@@ -144,14 +147,11 @@ static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail
         HOLD_UNTIL(__atomic_load_n(&landed, __ATOMIC_ACQUIRE) >= after);
         held = 1;
     }
-    int64_t sent = 0;
+    long sent = 0;
     if (first > 0 && first < n) {
-        long s = syscall(__NR_io_uring_enter, ring_fd, (unsigned)first, 0u, 0u, NULL, (size_t)0);
-        while (s < 0 && errno == EINTR)
-            s = syscall(__NR_io_uring_enter, ring_fd, (unsigned)first, 0u, 0u, NULL, (size_t)0);
-        if (s < 0 && errno != EAGAIN && errno != EBUSY) return -errno;
-        sent = s > 0 ? s : 0;
-        if (s == first) { /* else the engine's wait took some: no reason to hold the rest */
+        sent = submit(ring_fd, first);
+        if (sent < 0) return sent;
+        if (sent == first) { /* else the engine's wait took some: no reason to hold the rest */
             HOLD_UNTIL(READ_SINCE(tail0) >= first);
             held = 1;
         }
@@ -205,7 +205,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 if (h > 0) __atomic_add_fetch(&st[HELD], 1, __ATOMIC_RELAXED);
                 result = h < 0 ? h : 0;
             } else {
-                result = submit(ring_fd, p - done);
+                long s = submit(ring_fd, p - done);
+                result = s < 0 ? s : 0;
             }
             if (result < 0) break;
             done = p;
