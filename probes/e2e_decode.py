@@ -843,7 +843,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], b: int) -> tuple[dict[str, 
     print(
         f"B={b}  {'arm':18s} {'tok/s':>8s} {'vs RAM':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
         f"{'lookup ms':>9s} {'minflt':>7s} {'majflt':>7s} {'anon MB':>8s} {'file MB':>8s} "
-        f"{'prefill ms':>10s} {'vs RAM':>6s} {'cold left':>9s} same"
+        f"{'prefill ms':>10s} {'vs RAM':>6s} {'resident':>9s} same"
     )
     for arm, rs in runs.items():
         same = all(r["tokens"] == ref for r in rs)
@@ -1111,7 +1111,7 @@ def run_batch(
                 + " ".join(f"{p['paired_vs_ram']:.3f}" for p in ps)
                 + "  block medians "
                 + " ".join(f"{p['paired_block_median']:.3f}" for p in ps)
-                + f"  cold left {median([p['resident_before'] for p in ps]):.1%}"
+                + f"  resident at start {median([p['resident_before'] for p in ps]):.1%}"
                 + "  steps on the disk's interrupt CPU "
                 + " ".join(f"{p['irq_cpu_share']:.0%}" for p in ps)
                 + f"  tokens identical {'yes' if same_p else 'NO'}"

@@ -206,6 +206,37 @@ def test_finish_into_writes_a_strided_destination_per_ticket(
         reader.close()
 
 
+@pytest.mark.parametrize("rows_bytes", [(3, 320), (40, 320), (300, 128), (64, 960)])
+def test_copy_out_puts_every_row_of_a_step_into_a_strided_grid(
+    rng: np.random.Generator, rows_bytes: tuple[int, int]
+) -> None:
+    """The compiled copy of a step's rows out of the staging buffer (with its loads of rows
+    ahead where a step has many) writes each row, in order, into a strided grid of the
+    engine's buffer, and refuses a row past the buffer."""
+    from engramdb.io.sqpoll import step_compiled
+
+    copy = step_compiled("copy_out")
+    if copy is None:
+        pytest.skip("engramdb.io._submitter is not built")
+    n, rb = rows_bytes
+    slot_size = 1024
+    buf = rng.integers(0, 256, n * slot_size + 4096, dtype=np.uint8)
+    slot = rng.permutation(n).astype(np.int64) * slot_size
+    ip = rng.integers(0, (slot_size - rb) // 64 + 1, n).astype(np.int64) * 64
+    out = np.zeros((n, 2, rb // 64, 64), np.uint8)  # [rows, layers, k, unit]: layer 1 strided
+    copy(out[:, 1], buf, slot, ip, 0)
+    want = buf[(slot + ip)[:, None] + np.arange(rb)]
+    assert np.array_equal(out[:, 1].reshape(n, rb), want)
+    assert not out[:, 0].any()  # the other layer's slice untouched
+    part = np.zeros((n - 1, rb // 64, 64), np.uint8)
+    copy(part, buf, slot, ip, 1)  # rows 1.. of the step
+    assert np.array_equal(part.reshape(n - 1, rb), want[1:])
+    bad = slot.copy()
+    bad[-1] = buf.size - rb + 1  # the last row would end past the buffer
+    with pytest.raises(ValueError, match="past the staging buffer"):
+        copy(np.zeros((n, rb // 64, 64), np.uint8), buf, bad, ip, 0)
+
+
 def test_a_source_truncated_under_the_reader_raises_truncated_file(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
