@@ -177,6 +177,31 @@ def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
         route(head, tail, cqes[:6], got, ends, counts)  # not a power of two
 
 
+def test_completed_total_sums_the_results_of_a_range_of_entries(
+    rng: np.random.Generator,
+) -> None:
+    """A step's reads are checked by the sum of their results: the compiled sum equals numpy's
+    over any range (failed reads' negative results included) and refuses entries past the
+    queue."""
+    from engramdb.io.sqpoll import step_compiled
+    from engramdb.io.uring_ring import CQE_DTYPE
+    from engramdb.read.step_plan import completed_total
+
+    cqes = np.zeros(64, CQE_DTYPE)
+    cqes["user_data"] = rng.integers(0, 1 << 40, 64)
+    cqes["res"] = rng.integers(-(1 << 31), 1 << 31, 64)
+    cqes["flags"] = rng.integers(0, 1 << 32, 64)
+    total = step_compiled("res_total")
+    for start, count in ((0, 64), (5, 17), (63, 1), (10, 0)):
+        want = int(cqes["res"][start : start + count].astype(np.int64).sum())
+        assert completed_total(None, cqes, start, count) == want
+        if total is not None:
+            assert completed_total(total, cqes, start, count) == want
+    if total is not None:
+        with pytest.raises(ValueError, match="past the completion queue"):
+            total(cqes, 60, 5)
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_finish_into_writes_a_strided_destination_per_ticket(
     tmp_path: Path, rng: np.random.Generator, compiled: bool

@@ -512,6 +512,32 @@ done:
     return result;
 }
 
+/* res_total(cqes, start, count) -> the sum of the results of CQ entries start .. start +
+ *   count - 1 (16 bytes each: u64 user_data, s32 res, u32 flags; not wrapping): whether a
+ *   step's reads all returned their whole spans, in one call (a numpy reduction of the
+ *   field cost a step ~13 us inside a model's step). */
+static PyObject *res_total(PyObject *self, PyObject *args) {
+    PyObject *o_cqes;
+    Py_ssize_t start, count;
+    if (!PyArg_ParseTuple(args, "Onn", &o_cqes, &start, &count)) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(o_cqes, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (start < 0 || count < 0 || (start + count) * 16 > v.len) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "entries past the completion queue");
+        return NULL;
+    }
+    const uint8_t *e = (const uint8_t *)v.buf + start * 16;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t res;
+        memcpy(&res, e + i * 16 + 8, 4);
+        total += res;
+    }
+    PyBuffer_Release(&v);
+    return PyLong_FromLongLong(total);
+}
+
 /* route(cq_head, cq_tail, cqes, got, ends, counts) -> completions reaped
  *   Every completion now in a ring's CQ, in one pass: each read's result into
  *   got[user_data], its ticket's count (the first ticket whose end in ends is past the
@@ -597,6 +623,8 @@ static PyMethodDef methods[] = {
     {"route", route, METH_VARARGS,
      "route(cq_head, cq_tail, cqes, got, ends, counts) -> completions reaped.\n"
      "Every completion in a ring's CQ into got[user_data] and its ticket's count."},
+    {"res_total", res_total, METH_VARARGS,
+     "res_total(cqes, start, count) -> the sum of CQ entries' results start.. (one call)."},
     {"copy_out", copy_out, METH_VARARGS,
      "copy_out(dest, buf, slot, ip, lo) -> None. A step's rows lo.. from the staging\n"
      "buffer into dest's grid of contiguous rows."},

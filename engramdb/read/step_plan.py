@@ -5,6 +5,7 @@ describes). Kept apart so the reader's module stays a read path."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -19,6 +20,7 @@ __all__ = [
     "Plan",
     "StepTable",
     "StepTicket",
+    "completed_total",
     "grid_view",
     "plan_spans",
     "staged",
@@ -202,3 +204,15 @@ def staged(stage: np.ndarray, plan: Plan) -> np.ndarray:
     st["addr"] = plan.addr
     st["user_data"] = np.arange(plan.n, dtype=np.uint64)
     return st
+
+
+def completed_total(
+    total: Callable[[np.ndarray, int, int], int] | None, cqes: np.ndarray, start: int, count: int
+) -> int:
+    """The sum of the results of completion entries ``start .. start + count - 1`` of
+    ``cqes`` (not wrapping): by ``total`` (the compiled ``_submitter.res_total``, one call)
+    where given, else one numpy reduction of the field (inside a model's step that reduction
+    cost ~13 us)."""
+    if total is not None:
+        return total(cqes, start, count)
+    return int(cqes["res"][start : start + count].sum())

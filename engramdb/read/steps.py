@@ -78,6 +78,7 @@ from engramdb.read.step_plan import (
     Plan,
     StepTable,
     StepTicket,
+    completed_total,
     plan_spans,
     staged,
     stride,
@@ -129,6 +130,7 @@ class StepReader:
         self._spans_fn = step_compiled("spans")
         self._copy_fn = step_compiled("copy_out")
         self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
+        self._total_fn = step_compiled("res_total") if CQE_DTYPE.itemsize == 16 else None
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -336,8 +338,7 @@ class StepReader:
         """Every completion of the step in flight, waited for; True when each read returned
         its whole span (their sum is the step's: no read returns more than asked), without
         looking at them one by one. False: the slow path (`_reap`, per request) follows."""
-        ring = self._ring
-        plan = self._plan
+        ring, plan = self._ring, self._plan
         assert ring is not None and plan is not None
         head = int(ring.cq_head[0])
         count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
@@ -347,10 +348,9 @@ class StepReader:
         start = head & ring.cq_mask
         if count != self._left or start + count > ring.cq_entries:
             return False
-        if int(ring.cqes["res"][start : start + count].sum()) != plan.span_total:
+        if completed_total(self._total_fn, ring.cqes, start, count) != plan.span_total:
             return False
-        got = self._got[: plan.n]
-        np.copyto(got, plan.span)
+        np.copyto(self._got[: plan.n], plan.span)
         ring.cq_head[0] = (head + count) & 0xFFFFFFFF
         self._left = 0
         return True
