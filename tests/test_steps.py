@@ -177,15 +177,15 @@ def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
         route(head, tail, cqes[:6], got, ends, counts)  # not a power of two
 
 
-def test_completed_total_sums_the_results_of_a_range_of_entries(
+def test_results_total_sums_the_results_of_a_range_of_entries(
     rng: np.random.Generator,
 ) -> None:
     """A step's reads are checked by the sum of their results: the compiled sum equals numpy's
     over any range (failed reads' negative results included) and refuses entries past the
-    queue."""
+    queue; a reader uses it where built."""
     from engramdb.io.sqpoll import step_compiled
     from engramdb.io.uring_ring import CQE_DTYPE
-    from engramdb.read.step_plan import completed_total
+    from engramdb.read.step_plan import results_total
 
     cqes = np.zeros(64, CQE_DTYPE)
     cqes["user_data"] = rng.integers(0, 1 << 40, 64)
@@ -194,10 +194,11 @@ def test_completed_total_sums_the_results_of_a_range_of_entries(
     total = step_compiled("res_total")
     for start, count in ((0, 64), (5, 17), (63, 1), (10, 0)):
         want = int(cqes["res"][start : start + count].astype(np.int64).sum())
-        assert completed_total(None, cqes, start, count) == want
+        assert results_total(cqes, start, count) == want
         if total is not None:
-            assert completed_total(total, cqes, start, count) == want
+            assert total(cqes, start, count) == want
     if total is not None:
+        assert StepReader()._total_fn is total
         with pytest.raises(ValueError, match="past the completion queue"):
             total(cqes, 60, 5)
 

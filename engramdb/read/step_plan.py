@@ -5,7 +5,6 @@ describes). Kept apart so the reader's module stays a read path."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -20,9 +19,9 @@ __all__ = [
     "Plan",
     "StepTable",
     "StepTicket",
-    "completed_total",
     "grid_view",
     "plan_spans",
+    "results_total",
     "staged",
     "stride",
 ]
@@ -206,13 +205,9 @@ def staged(stage: np.ndarray, plan: Plan) -> np.ndarray:
     return st
 
 
-def completed_total(
-    total: Callable[[np.ndarray, int, int], int] | None, cqes: np.ndarray, start: int, count: int
-) -> int:
+def results_total(cqes: np.ndarray, start: int, count: int) -> int:
     """The sum of the results of completion entries ``start .. start + count - 1`` of
-    ``cqes`` (not wrapping): by ``total`` (the compiled ``_submitter.res_total``, one call)
-    where given, else one numpy reduction of the field (inside a model's step that reduction
-    cost ~13 us)."""
-    if total is not None:
-        return total(cqes, start, count)
+    ``cqes`` (not wrapping) by one numpy reduction: the step reader's check where the
+    compiled ``_submitter.res_total`` is not built (inside a model's step the reduction cost
+    ~13 us, the compiled sum a fraction of it)."""
     return int(cqes["res"][start : start + count].sum())

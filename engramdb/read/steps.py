@@ -78,8 +78,8 @@ from engramdb.read.step_plan import (
     Plan,
     StepTable,
     StepTicket,
-    completed_total,
     plan_spans,
+    results_total,
     staged,
     stride,
 )
@@ -130,7 +130,7 @@ class StepReader:
         self._spans_fn = step_compiled("spans")
         self._copy_fn = step_compiled("copy_out")
         self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
-        self._total_fn = step_compiled("res_total") if CQE_DTYPE.itemsize == 16 else None
+        self._total_fn = (CQE_DTYPE.itemsize == 16 and step_compiled("res_total")) or results_total
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -348,7 +348,7 @@ class StepReader:
         start = head & ring.cq_mask
         if count != self._left or start + count > ring.cq_entries:
             return False
-        if completed_total(self._total_fn, ring.cqes, start, count) != plan.span_total:
+        if self._total_fn(ring.cqes, start, count) != plan.span_total:
             return False
         np.copyto(self._got[: plan.n], plan.span)
         ring.cq_head[0] = (head + count) & 0xFFFFFFFF
