@@ -114,6 +114,7 @@ class _Hot:
         "ticket_ids",
         "ticket_src",
         "view_cache",
+        "dims",
     )
 
     def __init__(self) -> None:
@@ -125,6 +126,9 @@ class _Hot:
         #: tensor): a forward of that very tensor, unchanged, needs no second check
         self.ticket_src: tuple[torch.Tensor, int] | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
+        #: the dimensions of the CPU int64 tensor `_global` last took by its compiled call
+        #: (-1: it took another path)
+        self.dims = -1
 
 
 class DiskMultiHeadEmbedding(_DiskTable):
@@ -277,21 +281,21 @@ class DiskMultiHeadEmbedding(_DiskTable):
     def _global(self, local_ids: Any) -> np.ndarray | None:
         """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: not in range,
         or a shape the fast path does not take); a contiguous CPU int64 tensor in one
-        compiled call (`globalizer`: numpy's view, check and add cost ~50 us a step)."""
+        compiled call on its ``.numpy()`` view (`globalizer`: numpy's check and add cost
+        ~50 us a step, torch's attribute checks of the tensor ~6 us)."""
         to_global = self._global_at
-        if (
-            to_global is not None
-            and type(local_ids) is torch.Tensor
-            and local_ids.dtype is torch.int64
-            and local_ids.is_cpu
-            and local_ids.dim() >= 1
-            and local_ids.shape[-1] == self._n_heads
-            and local_ids.is_contiguous()
-        ):
-            n = local_ids.numel()
-            flat = np.empty(n, np.int64)
-            ok = to_global(local_ids.data_ptr(), n, self._bounds_bytes, self._offsets_bytes, flat)
-            return flat if ok else None
+        self._hot.dims = -1
+        if to_global is not None and type(local_ids) is torch.Tensor:
+            try:
+                arr = local_ids.numpy()  # a view; a device tensor raises
+            except (TypeError, RuntimeError, ValueError):
+                arr = None
+            if arr is not None:
+                flat = np.empty(arr.size, np.int64)
+                ok = to_global(arr, self._bounds_bytes, self._offsets_bytes, flat)
+                if ok >= 0:  # else not contiguous int64 [..., H]: the general path
+                    self._hot.dims = arr.ndim
+                    return flat if ok else None
         ids = self._as_ids(local_ids)
         if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
             return None
@@ -348,14 +352,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
             ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket = ticket
         hot.ticket_ids = flat
-        plain = (
-            type(local_ids) is torch.Tensor
-            and local_ids.dtype is torch.int64
-            and local_ids.is_cpu
-            and local_ids.dim() == 3
-        )
-        # torch's counter of in-place changes to the tensor (what autograd checks)
-        hot.ticket_src = (local_ids, local_ids._version) if plain else None  # noqa: SLF001
+        # a CPU int64 [B, L, H] tensor and torch's counter of in-place changes to it (what
+        # autograd checks): a forward of that very tensor, unchanged, needs no second check
+        hot.ticket_src = (local_ids, local_ids._version) if hot.dims == 3 else None  # noqa: SLF001
         hot.prefetches += 1
         return True
 

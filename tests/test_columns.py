@@ -306,10 +306,11 @@ def test_heads_checker_and_rows_matcher_read_ids_in_place(rng: np.random.Generat
 
 @native
 def test_globalizer_checks_and_offsets_ids_in_place(rng: np.random.Generator) -> None:
-    """The compiled check-and-offset of ids at a tensor's address: where every id is below
-    its head's size (negative ids are huge) it writes numpy's ``ids + offsets`` and says
-    True; otherwise False. Counts that are not whole rows of heads, or an ``out`` of another
-    length, are False."""
+    """The compiled check-and-offset of a buffer of local ids: where it is C-contiguous
+    int64 with a last axis of H and every id is below its head's size (negative ids are
+    huge) it writes numpy's ``ids + offsets`` and says 1; an id out of range: 0; ids of
+    another dtype, layout or last axis, or an ``out`` of another length: -1, nothing
+    written."""
     to_global = columns.globalizer()
     assert to_global is not None
     heads = np.array([5, 9, 2], np.int64)
@@ -317,23 +318,31 @@ def test_globalizer_checks_and_offsets_ids_in_place(rng: np.random.Generator) ->
     offsets = np.array([0, 5, 14], np.int64)
     offs = offsets.tobytes()
     for _ in range(200):
-        ids = rng.integers(-2, 11, (int(rng.integers(0, 6)), 3)).astype(np.int64)
+        ids = rng.integers(-2, 11, (int(rng.integers(0, 3)), int(rng.integers(0, 4)), 3))
         out = np.full(ids.size, -7, np.int64)
-        ok = to_global(ids.ctypes.data, ids.size, bounds, offs, out)
-        assert ok == bool(((ids >= 0) & (ids < heads)).all())
+        ok = to_global(ids, bounds, offs, out)
+        assert ok == int(((ids >= 0) & (ids < heads)).all())
         if ok:
             assert np.array_equal(out, (ids + offsets).reshape(-1))
         if ids.size:
-            assert not to_global(ids.ctypes.data, ids.size - 1, bounds, offs, out[:-1])
-            assert not to_global(ids.ctypes.data, ids.size, bounds, offs, out[:-1])
+            out[:] = -7
+            assert to_global(ids, bounds, offs, out[:-1]) == -1
+            assert to_global(ids.reshape(-1)[:-1], bounds, offs, out[:-1]) == -1  # last axis
+            assert to_global(ids.astype(np.int32), bounds, offs, out) == -1
+            assert to_global(ids.astype(np.uint64), bounds, offs, out) == -1
+            assert (out == -7).all()  # nothing written
     edge = np.array([[4, 8, 1], [0, 0, 0]], np.int64)  # each head's last row
     out = np.empty(6, np.int64)
-    assert to_global(edge.ctypes.data, 6, bounds, offs, out)
+    assert to_global(edge, bounds, offs, out) == 1
     assert out.tolist() == [4, 13, 15, 0, 5, 14]
+    wide = np.zeros((2, 6), np.int64)
+    wide[:, ::2] = edge
+    assert to_global(wide[:, ::2], bounds, offs, out) == -1  # not contiguous
+    assert to_global(bytes(48), bounds, offs, out) == -1  # no int64 format
     edge[1, 2] = 2  # one past head 2's rows
-    assert not to_global(edge.ctypes.data, 6, bounds, offs, out)
+    assert to_global(edge, bounds, offs, out) == 0
     with pytest.raises(TypeError):  # out must be writable
-        to_global(edge.ctypes.data, 6, bounds, offs, bytes(48))
+        to_global(edge, bounds, offs, bytes(48))
 
 
 @native

@@ -18,9 +18,9 @@
  *
  * take_grid: take_rows into runs of rows a fixed stride apart (a decoder's layer slice).
  *
- * in_heads: a decode step's per-head bounds check of ids at a tensor's address; global_ids:
- * that check and the ids' global rows in one pass; rows_match: whether such ids are exactly
- * the global rows a decoder filled.
+ * in_heads: a decode step's per-head bounds check of ids at a tensor's address; global_of:
+ * that check, the ids' layout and their global rows in one pass; rows_match: whether such
+ * ids are exactly the global rows a decoder filled.
  *
  * Optional: the package works without it (engramdb.io.gather falls back to numpy).
  */
@@ -342,38 +342,51 @@ static PyObject *in_heads(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* global_ids(address, n, bounds, offsets, out) -> whether each of the n int64 local ids at
- * address is below its head's bound (id i against bounds[i % H], read as unsigned: a
- * negative id is huge); where they all are, out (a writable C-contiguous buffer of n int64)
- * holds each id plus its head's offset (offsets: H int64 as bytes). A decode step's
- * validation and global ids in one call, from the address of a contiguous CPU int64 tensor
- * the caller holds (torch's data_ptr()). False (out partly written: discard it) where an id
- * is out of range, the counts disagree, or n is not a multiple of H. */
-static PyObject *global_ids(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t n;
-    Py_buffer b, off, o;
-    if (!PyArg_ParseTuple(args, "Kny*y*w*", &address, &n, &b, &off, &o)) return NULL;
-    const int64_t *ids = (const int64_t *)(uintptr_t)address;
-    const uint64_t *bounds = (const uint64_t *)b.buf;
-    const int64_t *offs = (const int64_t *)off.buf;
-    int64_t *out = (int64_t *)o.buf;
-    Py_ssize_t h = b.len / 8;
-    int ok = h > 0 && off.len == b.len && n >= 0 && n % h == 0 && o.len == n * 8 &&
-             (n == 0 || ids != NULL);
-    for (Py_ssize_t i = 0; ok && i < n; i += h)
-        for (Py_ssize_t j = 0; j < h; j++) {
-            uint64_t v = (uint64_t)ids[i + j];
-            if (v >= bounds[j]) {
-                ok = 0;
-                break;
+/* global_of(ids, bounds, offsets, out) -> 1, 0 or -1: a decode step's validation and global
+ * ids in one call. ids: a buffer (a CPU tensor's .numpy() view, an ndarray); bounds: H uint64
+ * as bytes (id i against bounds[i % H], read as unsigned: a negative id is huge); offsets: H
+ * int64 as bytes; out: a writable C-contiguous buffer of as many int64. 1 where ids is
+ * C-contiguous int64 with a last axis of H and every id is in range (out then holds each id
+ * plus its head's offset), 0 where an id is out of range (out partly written: discard it),
+ * -1 where ids is not such a buffer or out is not its size (nothing written: the caller
+ * takes its general path). Inside a model step, the checks of a tensor's dtype, device,
+ * shape and layout through torch's attributes cost more than this whole call. */
+static PyObject *global_of(PyObject *self, PyObject *args) {
+    PyObject *ids_obj;
+    Py_buffer v, b, off, o;
+    if (!PyArg_ParseTuple(args, "Oy*y*w*", &ids_obj, &b, &off, &o)) return NULL;
+    long r = -1;
+    if (PyObject_GetBuffer(ids_obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        goto out;
+    }
+    Py_ssize_t h = b.len / 8, n = v.len / 8;
+    const char *f = v.format == NULL ? "B" : v.format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    int int64 = v.itemsize == 8 && (f[0] == 'q' || f[0] == 'l') && f[1] == '\0';
+    if (int64 && v.ndim >= 1 && h > 0 && off.len == b.len && v.shape[v.ndim - 1] == h &&
+        o.len == v.len) {
+        const int64_t *ids = (const int64_t *)v.buf;
+        const uint64_t *bounds = (const uint64_t *)b.buf;
+        const int64_t *offs = (const int64_t *)off.buf;
+        int64_t *dst = (int64_t *)o.buf;
+        r = 1;
+        for (Py_ssize_t i = 0; r == 1 && i < n; i += h)
+            for (Py_ssize_t j = 0; j < h; j++) {
+                uint64_t x = (uint64_t)ids[i + j];
+                if (x >= bounds[j]) {
+                    r = 0;
+                    break;
+                }
+                dst[i + j] = (int64_t)(x + (uint64_t)offs[j]);
             }
-            out[i + j] = (int64_t)(v + (uint64_t)offs[j]);
-        }
+    }
+    PyBuffer_Release(&v);
+out:
     PyBuffer_Release(&o);
     PyBuffer_Release(&off);
     PyBuffer_Release(&b);
-    return PyBool_FromLong(ok);
+    return PyLong_FromLong(r);
 }
 
 /* rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus
@@ -422,8 +435,10 @@ static PyMethodDef methods[] = {
     {"in_heads", in_heads, METH_VARARGS,
      "in_heads(address, n, bounds) -> whether the n int64 ids at address are each below\n"
      "their head's bound (bounds: H uint64 as bytes; id i against bounds[i % H])."},
-    {"global_ids", global_ids, METH_VARARGS,
-     "global_ids(address, n, bounds, offsets, out) -> bool: ids checked per head, plus offsets."},
+    {"global_of", global_of, METH_VARARGS,
+     "global_of(ids, bounds, offsets, out) -> 1, 0 (an id out of range) or -1 (ids not a\n"
+     "C-contiguous int64 buffer whose last axis is H, or out not its size): global_ids of a\n"
+     "buffer."},
     {"rows_match", rows_match, METH_VARARGS,
      "rows_match(address, n, rows, offsets) -> whether the n int64 local ids at address plus\n"
      "their head's offset equal the global row ids of rows (offsets: H int64 as bytes)."},

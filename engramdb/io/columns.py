@@ -139,14 +139,16 @@ def heads_checker() -> Callable[[int, int, bytes], bool] | None:
     return _compiled("in_heads")  # type: ignore[no-any-return]
 
 
-def globalizer() -> Callable[[int, int, bytes, bytes, Any], bool] | None:
-    """The compiled ``to_global(address, n, bounds, offsets, out) -> bool`` (None when the
-    loop is not built or is turned off): `heads_checker`'s check of the ``n`` int64 local ids
-    at ``address`` and, where they are all in range, each id plus its head's offset
-    (``offsets``: ``H`` int64 as bytes) written into ``out`` (a writable C-contiguous int64
-    array of ``n``), as numpy's ``ids + offsets`` would. False where an id is out of range
-    (``out`` then partly written: discard it) or the counts disagree."""
-    return _compiled("global_ids")  # type: ignore[no-any-return]
+def globalizer() -> Callable[[object, bytes, bytes, Any], int] | None:
+    """The compiled ``to_global(ids, bounds, offsets, out) -> 1 / 0 / -1`` (None when the
+    loop is not built or is turned off): `heads_checker`'s check of the local ids of the
+    buffer ``ids`` (a CPU tensor's ``.numpy()`` view) and, where they are all in range, each
+    id plus its head's offset (``offsets``: ``H`` int64 as bytes) written into ``out`` (a
+    writable C-contiguous int64 array of as many), as numpy's ``ids + offsets`` would: 1.
+    0 where an id is out of range (``out`` then partly written: discard it); -1, nothing
+    written, where ``ids`` is not C-contiguous int64 with a last axis of ``H`` or ``out`` is
+    not its size."""
+    return _compiled("global_of")  # type: ignore[no-any-return]
 
 
 def grid_taker() -> Callable[..., int] | None:

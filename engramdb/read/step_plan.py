@@ -1,13 +1,21 @@
-"""The step reader's per-step bookkeeping: the tables as it sees them, the plan of a step
-shape, and the tickets a decoder waits on (`engramdb.read.steps` reads; this module only
-describes). Kept apart so the reader's module stays a read path."""
+"""The step reader's per-step bookkeeping: the tables as it sees them (and the ``O_DIRECT``
+descriptors of their files), the plan of a step shape, and the tickets a decoder waits on
+(`engramdb.read.steps` reads; this module only describes). Kept apart so the reader's
+module stays a read path."""
 
 from __future__ import annotations
 
+import errno as _errno
 import math
+import os
+import stat
 from typing import Protocol
 
 import numpy as np
+
+from engramdb.io.base import read_error
+from engramdb.io.uring_ring import open_direct
+from engramdb.layouts.geometry import PAGE
 
 __all__ = [
     "CANCELLED",
@@ -19,6 +27,7 @@ __all__ = [
     "Plan",
     "StepTable",
     "StepTicket",
+    "direct_layout",
     "grid_view",
     "plan_spans",
     "results_total",
@@ -211,3 +220,41 @@ def results_total(cqes: np.ndarray, start: int, count: int) -> int:
     compiled ``_submitter.res_total`` is not built (inside a model's step the reduction cost
     ~13 us, the compiled sum a fraction of it)."""
     return int(cqes["res"][start : start + count].sum())
+
+
+def direct_layout(store: StepTable, direct: list[int]) -> Layout | None:
+    """How the reader reaches ``store``'s rows: its files, an ``O_DIRECT`` descriptor of each
+    (appended to ``direct``, the caller's to close) and their offset alignment; None where
+    the table does not say where its rows lie or a file system refuses ``O_DIRECT``."""
+    where = store.step_layout()
+    if where is None:
+        return None
+    fds, rows_per_file, base = where
+    dfds, align = [], 512
+    for fd in fds:
+        dfd, a = _direct_fd(fd, direct)
+        if dfd < 0:
+            return None
+        dfds.append(dfd)
+        align = max(align, a)
+    return Layout(
+        np.asarray(fds, np.int32), np.asarray(dfds, np.int32), rows_per_file, base,
+        store.row_bytes, align,
+    )  # fmt: skip
+
+
+def _direct_fd(fd: int, direct: list[int]) -> tuple[int, int]:
+    """``(O_DIRECT descriptor, offset alignment)`` of the file behind ``fd`` (the descriptor
+    appended to ``direct``); ``(-1, 0)`` where its file system refuses ``O_DIRECT``."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return -1, 0
+    try:
+        dfd, align = open_direct(fd)
+    except OSError as e:
+        raise read_error(e.errno or _errno.EIO, fd, 0, "cannot open O_DIRECT") from e
+    if dfd < 0:
+        return -1, 0
+    direct.append(dfd)
+    if align > PAGE:  # never seen; the staging layout assumes at most a page
+        return -1, 0
+    return dfd, align

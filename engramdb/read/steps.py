@@ -48,7 +48,6 @@ from __future__ import annotations
 import errno as _errno
 import mmap
 import os
-import stat
 import weakref
 
 import numpy as np
@@ -65,7 +64,6 @@ from engramdb.io.uring_ring import (
     IORING_ENTER_SQ_WAKEUP,
     Ring,
     enter,
-    open_direct,
 )
 from engramdb.layouts.geometry import PAGE
 from engramdb.read import read_order
@@ -78,6 +76,7 @@ from engramdb.read.step_plan import (
     Plan,
     StepTable,
     StepTicket,
+    direct_layout,
     plan_spans,
     results_total,
     staged,
@@ -107,7 +106,7 @@ class StepReader:
         self._ring: Ring | None = None
         self._ring_plan: Plan | None = None  # the plan whose fd / addr the stage holds
         self._layouts: dict[int, tuple[StepTable, Layout | None]] = {}
-        self._plans: dict[tuple[tuple[int, int], ...], Plan] = {}
+        self._plans: dict[tuple[object, ...], Plan] = {}  # by tables and sizes
         self._direct: list[int] = []  # O_DIRECT descriptors to close
         self._buf: np.ndarray | None = None
         self._map: mmap.mmap | None = None
@@ -143,50 +142,13 @@ class StepReader:
         hit = self._layouts.get(id(store))
         if hit is not None and hit[0] is store:
             return hit[1]
-        lay = None
-        where = store.step_layout()
-        if where is not None:
-            fds, rows_per_file, base = where
-            dfds, align = [], 512
-            for fd in fds:
-                dfd, a = self._direct_fd(fd)
-                if dfd < 0:
-                    break
-                dfds.append(dfd)
-                align = max(align, a)
-            else:
-                lay = Layout(
-                    np.asarray(fds, np.int32),
-                    np.asarray(dfds, np.int32),
-                    rows_per_file,
-                    base,
-                    store.row_bytes,
-                    align,
-                )
+        lay = direct_layout(store, self._direct)
         self._layouts[id(store)] = (store, lay)
         return lay
 
-    def _direct_fd(self, fd: int) -> tuple[int, int]:
-        """``(O_DIRECT descriptor, offset alignment)`` of the file behind ``fd``; ``(-1, 0)``
-        where its file system refuses ``O_DIRECT``."""
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return -1, 0
-        try:
-            dfd, align = open_direct(fd)
-        except OSError as e:
-            raise read_error(e.errno or _errno.EIO, fd, 0, "cannot open O_DIRECT") from e
-        if dfd < 0:
-            return -1, 0
-        self._direct.append(dfd)
-        if align > PAGE:  # never seen; the staging layout assumes at most a page
-            return -1, 0
-        return dfd, align
-
-    def _plan_for(self, jobs: list[_Job]) -> Plan | None:
-        key = tuple((id(store), int(ids.size)) for store, ids, _ in jobs)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
+    def _plan_for(self, jobs: list[_Job], key: tuple[object, ...]) -> Plan | None:
+        """A new plan for ``jobs`` (kept under ``key``, their tables and sizes); None where
+        the step cannot be read this way."""
         layouts = [self._layout(store) for store, _, _ in jobs]
         if any(lay is None for lay in layouts):
             return None
@@ -229,14 +191,23 @@ class StepReader:
         their order), the first layer's read first; ``ordered``: after other readers' steps
         too (`engramdb.read.read_order`). False, with nothing submitted, for a step it cannot
         read."""
+        # (every statement here runs once a step on the engine's thread, just after the
+        # model's compute has evicted the interpreter's code and data: each costs ~1 us)
         if self._left:
             self.drain()
-        n = sum(int(ids.size) for _, ids, _ in jobs)
+        if len(jobs) == 1:  # one layer (a torch module's prefetch)
+            n = jobs[0][1].size
+            key: tuple[object, ...] = (id(jobs[0][0]), n)
+        else:
+            n = sum(int(ids.size) for _, ids, _ in jobs)
+            key = tuple((id(store), int(ids.size)) for store, ids, _ in jobs)
         if self.closed or n == 0 or n > MAX_STEP_ROWS:
             return n == 0 and not self.closed
-        plan = self._plan_for(jobs)
+        plan = self._plans.get(key)
         if plan is None:
-            return False
+            plan = self._plan_for(jobs, key)
+            if plan is None:
+                return False
         ring = self._ring
         if ring is None or ring.entries < n:
             if ring is not None:
@@ -279,34 +250,40 @@ class StepReader:
             st["off"] = plan.tmp
             st["len"] = plan.span
             ring.push(n)
-        off = plan.off
         if self._got.size < n:
             self._got = np.empty(max(n, 256), np.int64)
-        self._checked = False
+        self._checked = self._routed = False  # (`_counts` is zeroed by the first route)
         self._error = None
-        self._routed = False
-        self._ready = set()
-        self._indexed = set()
+        if self._ready:
+            self._ready.clear()
+        if self._indexed:
+            self._indexed.clear()
         self._plan = plan
         self._left = n
         lo = 0
+        tickets = []
         for store, ids_i, t in jobs:
             t.reader, t.store, t.lo, t.hi, t.state = self, store, lo, lo + ids_i.size, RUNNING
             lo = t.hi
+            tickets.append(t)
             if id(store) not in self._warmed:
                 self._warmed.add(id(store))
                 store.note_buffered_read()  # a table that fits starts its background warm
-        self._tickets = [j[2] for j in jobs]
-        self._counts = np.zeros(len(jobs), np.int64)
+        self._tickets = tickets
         # the first layer's reads first: the device serves a batch interleaved (`read_order`)
-        lead, after = read_order.begin(self) if ordered else (0, 0)
-        r = submit_pushed(ring, n, jobs[0][1].size if len(jobs) > 1 else 0, lead, after)
-        if lead:
-            read_order.led(r == 1)
+        first = jobs[0][1].size if len(tickets) > 1 else 0
+        if ordered:
+            lead, after = read_order.begin(self)
+            r = submit_pushed(ring, n, first, lead, after)
+            if lead:
+                read_order.led(r == 1)
+        else:
+            wake = ring.wake  # a `Submitter`'s: straight to it
+            r = 1 if wake is not None and wake(n, first, 0, 0) else submit_pushed(ring, n, first)
         # the background warm reads around these reads: about their device time
         FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
         if r < 0:
-            err = read_error(-r, int(plan.src_fd[0]), int(off[0]), "io_uring_enter failed")
+            err = read_error(-r, int(plan.src_fd[0]), int(plan.off[0]), "io_uring_enter failed")
             self._left = 0
             for t in self._tickets:
                 t.error, t.state = err, FAILED
@@ -361,6 +338,7 @@ class StepReader:
         and the tickets' counts."""
         ring, plan = self._ring, self._plan
         assert ring is not None and plan is not None
+        self._step_counts()
         n = self._route(ring, plan)
         if n == 0 and wait:
             r = _wait(ring, 1, hold)
@@ -370,6 +348,13 @@ class StepReader:
         if n:
             self._left -= n
             self._routed = True
+
+    def _step_counts(self) -> np.ndarray:
+        """The step's completions per ticket, zeroed before its first completion is routed
+        (most steps never route one by one: `_reap_step`)."""
+        if not self._routed:
+            self._counts = np.zeros(len(self._tickets), np.int64)
+        return self._counts
 
     def _route(self, ring: Ring, plan: Plan) -> int:
         """Every completion now in ``ring``: its result to its request, its ticket's count up
@@ -454,7 +439,7 @@ class StepReader:
             head = int(self._ring.cq_head[0])  # type: ignore[union-attr]
             if (int(self._ring.cq_tail[0]) - head) & 0xFFFFFFFF < self._left:  # type: ignore[union-attr]
                 k = tickets.index(t)
-                while self._counts[k] < t.hi - t.lo:
+                while self._step_counts()[k] < t.hi - t.lo:
                     # the later tickets' entries stay for the submitter (`submit`'s order)
                     self._reap(wait=True, hold=plan.n - t.hi)
                 lo, hi = t.lo, t.hi
