@@ -334,3 +334,24 @@ def test_idle_priority_sets_and_restores_the_calling_threads_policy() -> None:
     if seen[1] == seen[0]:
         pytest.skip("SCHED_IDLE not allowed here")
     assert seen == [os.SCHED_OTHER, os.SCHED_IDLE, os.SCHED_OTHER]
+
+
+def test_noted_batches_enter_the_rhythm_in_order_when_it_is_next_read() -> None:
+    """`note` only records (the engine's thread pays for an append); the next reader of the
+    rhythm takes the notes in, in order and before its own event: a note at 10.000 then a
+    batch entered at 10.004 is an interval of 4 ms. Unread notes are bounded."""
+    c = Clock()
+    f = Foreground(clock=c)
+    c.t = 10.0
+    f.note(0.001)
+    c.t = 10.004
+    f.enter(waited=False)
+    c.t = 10.005
+    f.exit()
+    assert f.period == pytest.approx(0.004)
+    assert f.batches == 2
+    g = Foreground(clock=c)
+    for i in range(1000):  # nobody reads: the oldest notes go
+        c.t = 20.0 + 0.002 * i
+        g.note(0.0005)
+    assert g.period == pytest.approx(0.002) and g.batches == 64  # the last 64

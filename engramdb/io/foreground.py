@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -76,34 +77,56 @@ class Foreground:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.inflight = 0
-        self.batches = 0
+        self._batches = 0
         self.last_start = float("-inf")
-        self.period = 0.0
+        self._period = 0.0
         self.busy = 0.0
         #: Batches announced with `note` count as in flight until this time.
         self.busy_until = float("-inf")
         #: When the last batch a caller waited on started (not a prefetch).
         self.last_waited = float("-inf")
+        #: `note`'s batches ``(start, duration)`` not yet taken into the rhythm: the engine's
+        #: thread only appends (a decode step's note inside a model step, where the code and
+        #: data of the bookkeeping below sit cold: ~10 us there, against ~2 us for the
+        #: append); whoever reads the rhythm next takes them in, under the lock, in order.
+        #: Bounded: with no reader, the oldest go.
+        self._noted: deque[tuple[float, float]] = deque(maxlen=64)
+
+    @property
+    def period(self) -> float:
+        """The smoothed interval between batch starts (0: no rhythm)."""
+        with self._lock:
+            self._absorb()
+            return self._period
+
+    @property
+    def batches(self) -> int:
+        """Batches seen (entered or noted)."""
+        with self._lock:
+            self._absorb()
+            return self._batches
 
     def enter(self, *, waited: bool = True) -> None:
         """A foreground batch starts its device reads; ``waited=False`` for a prefetch (a
         future step's rows, read while the caller computes)."""
         with self._lock:
+            self._absorb()
             now = self._clock()
             if self.inflight == 0:
                 self._started(now)
             if waited:
                 self.last_waited = now
             self.inflight += 1
-            self.batches += 1
+            self._batches += 1
 
     def exit(self) -> None:
         """The batch's reads are done."""
         with self._cond:
+            self._absorb()
             self.inflight = max(0, self.inflight - 1)
             if self.inflight == 0:
-                if self.period > 0.0:
-                    frac = min(1.0, (self._clock() - self.last_start) / self.period)
+                if self._period > 0.0:
+                    frac = min(1.0, (self._clock() - self.last_start) / self._period)
                     self.busy += _EWMA * (frac - self.busy)
                 self._cond.notify_all()
 
@@ -111,24 +134,34 @@ class Foreground:
         """A batch starts with none in flight (the lock held): learn the interval."""
         gap = now - self.last_start
         if 0.0 < gap < _MAX_PERIOD_S:
-            self.period = gap if self.period == 0.0 else self.period + _EWMA * (gap - self.period)
+            p = self._period
+            self._period = gap if p == 0.0 else p + _EWMA * (gap - p)
         elif gap >= _MAX_PERIOD_S:
-            self.period = 0.0  # a pause: the rhythm is learnt again
+            self._period = 0.0  # a pause: the rhythm is learnt again
         self.last_start = now
+
+    def _absorb(self) -> None:
+        """(The lock held) the batches `note` announced since, in their order."""
+        q = self._noted
+        while q:
+            try:
+                now, duration = q.popleft()
+            except IndexError:  # pragma: no cover - another reader took the last one
+                break
+            if self.inflight == 0 and now >= self.busy_until:
+                self._started(now)
+                if self._period > 0.0:
+                    self.busy += _EWMA * (min(1.0, duration / self._period) - self.busy)
+            self.busy_until = max(self.busy_until, now + duration)
+            self._batches += 1
 
     def note(self, duration: float) -> None:
         """A batch whose reads were handed to the kernel and are expected to take about
         ``duration`` seconds (`engramdb.read.steps.StepReader`: nobody waits on them until
         the engine needs the rows, so their end is estimated, not observed). It counts as in
-        flight until then."""
-        with self._lock:
-            now = self._clock()
-            if self.inflight == 0 and now >= self.busy_until:
-                self._started(now)
-                if self.period > 0.0:
-                    self.busy += _EWMA * (min(1.0, duration / self.period) - self.busy)
-            self.busy_until = max(self.busy_until, now + duration)
-            self.batches += 1
+        flight until then. Cheap for the caller: recorded, and taken into the rhythm by the
+        next reader of it."""
+        self._noted.append((self._clock(), duration))
 
     @contextmanager
     def reading(self, *, waited: bool = True) -> Iterator[None]:
@@ -145,8 +178,11 @@ class Foreground:
         if os.environ.get(YIELD_ENV, "1") == "0":
             return False
         with self._cond:
+            self._absorb()
             now = self._clock()
-            return self.period > 0.0 and now - self.last_start < _RECENT_S and self.busy < _BUSY_MAX
+            return (
+                self._period > 0.0 and now - self.last_start < _RECENT_S and self.busy < _BUSY_MAX
+            )
 
     def overlapped(self) -> bool:
         """Whether the warm should also pace itself (`overlap_rate`): `yielding`, and no
@@ -165,13 +201,15 @@ class Foreground:
         deadline = self._clock() + timeout
         with self._cond:
             while True:
+                self._absorb()
                 now = self._clock()
                 if self.inflight == 0 and now >= self.busy_until:
-                    due = self.last_start + self.period
-                    if self.period == 0.0 or now > due + self.period or now + need <= due:
+                    period = self._period
+                    due = self.last_start + period
+                    if period == 0.0 or now > due + period or now + need <= due:
                         return True  # no rhythm, the loop stopped, or the read fits
                     # a batch is due before this read would end: wait for it to start and end
-                    wake = min(deadline, due + self.period)
+                    wake = min(deadline, due + period)
                 else:
                     wake = min(deadline, max(self.busy_until, now + 1e-4))
                 if now >= deadline:

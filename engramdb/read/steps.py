@@ -106,7 +106,7 @@ class StepReader:
         self._ring: Ring | None = None
         self._ring_plan: Plan | None = None  # the plan whose fd / addr the stage holds
         self._layouts: dict[int, tuple[StepTable, Layout | None]] = {}
-        self._plans: dict[tuple[object, ...], Plan] = {}  # by tables and sizes
+        self._plans: dict[tuple[int, ...], Plan] = {}  # by tables and sizes
         self._direct: list[int] = []  # O_DIRECT descriptors to close
         self._buf: np.ndarray | None = None
         self._map: mmap.mmap | None = None
@@ -146,7 +146,7 @@ class StepReader:
         self._layouts[id(store)] = (store, lay)
         return lay
 
-    def _plan_for(self, jobs: list[_Job], key: tuple[object, ...]) -> Plan | None:
+    def _plan_for(self, jobs: list[_Job], key: tuple[int, ...]) -> Plan | None:
         """A new plan for ``jobs`` (kept under ``key``, their tables and sizes); None where
         the step cannot be read this way."""
         layouts = [self._layout(store) for store, _, _ in jobs]
@@ -195,12 +195,15 @@ class StepReader:
         # model's compute has evicted the interpreter's code and data: each costs ~1 us)
         if self._left:
             self.drain()
-        if len(jobs) == 1:  # one layer (a torch module's prefetch)
-            n = jobs[0][1].size
-            key: tuple[object, ...] = (id(jobs[0][0]), n)
-        else:
-            n = sum(int(ids.size) for _, ids, _ in jobs)
-            key = tuple((id(store), int(ids.size)) for store, ids, _ in jobs)
+        # (loops, not comprehensions: in this Python each of those is a call of its own)
+        layer_ids = []
+        key_parts: list[int] = []
+        n = 0
+        for store, ids, _ in jobs:
+            layer_ids.append(ids)
+            key_parts += (id(store), ids.size)
+            n += ids.size
+        key = tuple(key_parts)
         if self.closed or n == 0 or n > MAX_STEP_ROWS:
             return n == 0 and not self.closed
         plan = self._plans.get(key)
@@ -219,7 +222,6 @@ class StepReader:
         # each row's file offset, its aligned span, into the submission entries: straight
         # into the ring's slots where they do not wrap (descriptor, address and tag written
         # once per plan and position), else staged
-        layer_ids = [j[1] for j in jobs]
         computed = not plan.single_file
         if computed:  # several files: the descriptors change per step (entries staged again)
             plan_spans(plan, layer_ids)
