@@ -114,7 +114,7 @@ class _Hot:
         "ticket_ids",
         "ticket_src",
         "view_cache",
-        "dims",
+        "shape3",
     )
 
     def __init__(self) -> None:
@@ -122,13 +122,13 @@ class _Hot:
         self.resident_skips = 0
         self.ticket: Any = None
         self.ticket_ids: np.ndarray | None = None
-        #: the ids tensor the pending prefetch was given and its version (None: not a plain
-        #: tensor): a forward of that very tensor, unchanged, needs no second check
-        self.ticket_src: tuple[torch.Tensor, int] | None = None
+        #: the ids tensor the pending prefetch was given, its version and its rows' shape
+        #: (None: not a CPU int64 ``[B, L, H]`` tensor): a forward of that very tensor,
+        #: unchanged, needs no second check
+        self.ticket_src: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
-        #: the dimensions of the CPU int64 tensor `_global` last took by its compiled call
-        #: (-1: it took another path)
-        self.dims = -1
+        #: ``(B, L, H, row bytes)`` of the CPU int64 ``[B, L, H]`` ids `_global` last took
+        self.shape3: tuple[int, ...] | None = None  # (None: another shape or path)
 
 
 class DiskMultiHeadEmbedding(_DiskTable):
@@ -279,12 +279,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         return self._hot.resident_skips
 
     def _global(self, local_ids: Any) -> np.ndarray | None:
-        """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: not in range,
-        or a shape the fast path does not take); a contiguous CPU int64 tensor in one
-        compiled call on its ``.numpy()`` view (`globalizer`: numpy's check and add cost
-        ~50 us a step, torch's attribute checks of the tensor ~6 us)."""
+        """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: out of range or
+        not ``[..., H]``); a contiguous CPU int64 tensor in one compiled call on its numpy view
+        (`globalizer`: numpy's check and add cost ~50 us a step, torch's attributes ~6 us)."""
         to_global = self._global_at
-        self._hot.dims = -1
+        self._hot.shape3 = None
         if to_global is not None and type(local_ids) is torch.Tensor:
             try:
                 arr = local_ids.numpy()  # a view; a device tensor raises
@@ -294,7 +293,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 flat = np.empty(arr.size, np.int64)
                 ok = to_global(arr, self._bounds_bytes, self._offsets_bytes, flat)
                 if ok >= 0:  # else not contiguous int64 [..., H]: the general path
-                    self._hot.dims = arr.ndim
+                    if arr.ndim == 3:
+                        self._hot.shape3 = (*arr.shape, self._rb)
                     return flat if ok else None
         ids = self._as_ids(local_ids)
         if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
@@ -352,9 +352,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
             ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket = ticket
         hot.ticket_ids = flat
-        # a CPU int64 [B, L, H] tensor and torch's counter of in-place changes to it (what
-        # autograd checks): a forward of that very tensor, unchanged, needs no second check
-        hot.ticket_src = (local_ids, local_ids._version) if hot.dims == 3 else None  # noqa: SLF001
+        # a CPU int64 [B, L, H] tensor, torch's counter of in-place changes to it (what
+        # autograd checks; a forward of it, unchanged, needs no second check), its rows' shape
+        version = local_ids._version if hot.shape3 else 0  # noqa: SLF001
+        hot.ticket_src = (local_ids, version, hot.shape3) if hot.shape3 else None
         hot.prefetches += 1
         return True
 
@@ -481,9 +482,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
         since (its version): validated then, so its rows go straight from the prefetch into
         a fresh output; None where the prefetch did not keep them (read as usual)."""
         hot = self._hot
-        want = hot.ticket_ids
-        assert want is not None
-        raw_np = np.empty((*local_ids.shape, self._rb), dtype=np.uint8)
+        want, src = hot.ticket_ids, hot.ticket_src
+        assert want is not None and src is not None  # (set together by `prefetch`)
+        raw_np = np.empty(src[2], np.uint8)  # [B, L, H, row bytes]
         if not self._take_ticket(want, raw_np.reshape(-1, self._rb), same=True):
             return None
         return self._values(raw_np)

@@ -407,6 +407,15 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
         assert not m.prefetch(bad)  # out of range: nothing started, the forward raises
         with pytest.raises(RowIdOutOfRange):
             m(bad)
+        # a refused prefetch of ids of another shape leaves the pending one whole: its
+        # forward still comes from it, in its own shape
+        served = m.served_from_prefetch
+        assert m.prefetch(ids)
+        assert m.prefetch(ids[:, :, :2].contiguous()) is False  # not [..., H]: refused
+        assert not m.prefetch(torch.cat([bad, bad], dim=1))  # [B, 2, H], out of range
+        got = m(ids)
+        assert got.shape == (*ids.shape, m.codec.dim) and m.served_from_prefetch == served + 1
+        assert torch.equal(got, mods[1].multi_head_embedding(ids))
 
 
 def test_module_prefetch_ids_compiled_and_numpy_agree(tmp_path: Path) -> None:

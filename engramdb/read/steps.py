@@ -118,6 +118,7 @@ class StepReader:
         self._error: BaseException | None = None  # a read of the current step that failed
         self._left = 0  # requests of the current step not reaped yet
         self._routed = False  # completions read one by one this step (no whole-step sum)
+        self._ordered = False  # the step in flight takes part in `read_order` (ends its burst)
         self._ready: set[int] = set()  # tickets (by lo) whose reads are checked
         self._indexed: set[int] = set()  # tickets (by lo) whose rows' units are computed
         self._counts = np.zeros(0, np.int64)  # completions reaped per ticket (`_reap`)
@@ -274,6 +275,7 @@ class StepReader:
         self._tickets = tickets
         # the first layer's reads first: the device serves a batch interleaved (`read_order`)
         first = jobs[0][1].size if len(tickets) > 1 else 0
+        self._ordered = ordered
         if ordered:
             lead, after = read_order.begin(self)
             r = submit_pushed(ring, n, first, lead, after)
@@ -378,7 +380,8 @@ class StepReader:
         land together) and checks them all; each ticket then copies its rows out."""
         if t.state != RUNNING:
             return
-        read_order.end()
+        if self._ordered:
+            read_order.end()
         plan = self._checked_plan(t)
         if plan is None:
             t.error, t.state = self._error, FAILED
@@ -401,10 +404,16 @@ class StepReader:
         ticket's ids' shape, or ``[L, B, H]`` for a step of L layers); may be a strided view
         of the engine's buffer. Raises the step's error. False (nothing written) when the
         rows were already collected."""
-        tickets = self._tickets if t is None else [t]
-        if not tickets or any(tk.state != RUNNING for tk in tickets):
-            return False
-        read_order.end()
+        if t is not None:  # (no generator: a call of its own in this Python)
+            if t.state != RUNNING:
+                return False
+            tickets = [t]
+        else:
+            tickets = self._tickets
+            if not tickets or any(tk.state != RUNNING for tk in tickets):
+                return False
+        if self._ordered:
+            read_order.end()
         plan = self._checked_plan(t)
         if plan is None:
             err = self._error
