@@ -352,10 +352,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
             ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket = ticket
         hot.ticket_ids = flat
-        # a CPU int64 [B, L, H] tensor, torch's counter of in-place changes to it (what
-        # autograd checks; a forward of it, unchanged, needs no second check), its rows' shape
-        version = local_ids._version if hot.shape3 else 0  # noqa: SLF001
-        hot.ticket_src = (local_ids, version, hot.shape3) if hot.shape3 else None
+        if hot.shape3 is None:  # not a CPU int64 [B, L, H] tensor
+            hot.ticket_src = None
+        else:  # with torch's counter of in-place changes to it (what autograd checks)
+            hot.ticket_src = (local_ids, local_ids._version, hot.shape3)  # noqa: SLF001
         hot.prefetches += 1
         return True
 

@@ -276,14 +276,10 @@ class StepReader:
         # the first layer's reads first: the device serves a batch interleaved (`read_order`)
         first = jobs[0][1].size if len(tickets) > 1 else 0
         self._ordered = ordered
-        if ordered:
-            lead, after = read_order.begin(self)
-            r = submit_pushed(ring, n, first, lead, after)
-            if lead:
-                read_order.led(r == 1)
-        else:
-            wake = ring.wake  # a `Submitter`'s: straight to it
-            r = 1 if wake is not None and wake(n, first, 0, 0) else submit_pushed(ring, n, first)
+        lead, after = read_order.begin(self) if ordered else (0, 0)
+        r = submit_pushed(ring, n, first, lead, after)
+        if lead:
+            read_order.led(r == 1)
         # the background warm reads around these reads: about their device time
         FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
         if r < 0:
