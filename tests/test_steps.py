@@ -160,12 +160,15 @@ def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
         cqes[(6 + k) % 8] = (ud, 1000 + ud, 0)
     got = np.full(10, -1, np.int64)
     ends = np.array([3, 8, 10], np.int64)  # tickets: requests 0-2, 3-7, 8-9
-    counts = np.zeros(3, np.int64)
-    assert route(head, tail, cqes, got, ends, counts) == 5
+    counts, sums = np.zeros((2, 3), np.int64)
+    assert route(head, tail, cqes, got, ends, counts, sums) == 5
     assert int(head[0]) == 11
     assert {i: int(got[i]) for i in np.flatnonzero(got >= 0)} == {u: 1000 + u for u in order}
     assert counts.tolist() == [2, 2, 1]
+    assert sums.tolist() == [1000 + 0 + 1000 + 2, 1000 + 4 + 1000 + 7, 1000 + 9]
     assert route(head, tail, cqes, got, ends, counts) == 0  # nothing new
+    with pytest.raises(ValueError, match="sums"):
+        route(head, tail, cqes, got, ends, counts, np.zeros(2, np.int64))  # one per ticket
     for ud in (10, 12):  # past the step's requests; past got too
         tail[0] += 1
         cqes[(int(tail[0]) - 1) % 8] = (ud, 5, 0)
@@ -281,6 +284,48 @@ def test_a_source_truncated_under_the_reader_raises_truncated_file(
         assert reader.submit([(st, ids, t)])
         with pytest.raises(TruncatedFile, match="rows.bin"):
             t.wait()
+        reader.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_cut_read_of_a_steps_first_ticket_raises_before_the_rest_is_read(
+    tmp_path: Path, rng: np.random.Generator, compiled: bool
+) -> None:
+    """A step of two tickets whose second one's reads nobody has submitted yet: the first is
+    checked on its own (its reads' results summed against its spans as they are routed), so
+    its rows come back equal to the source, and a row cut off by a truncation under the
+    reader raises `TruncatedFile` there, before the second ticket's reads are sent."""
+    from engramdb.io import sqpoll
+
+    if not sqpoll.submitter_state()[0] or sqpoll.sqpoll_state()[0]:
+        pytest.skip("no submitter here")
+    raw = rng.integers(0, 256, (20_000, 160), dtype=np.uint8)
+    src = tmp_path / "rows.bin"
+    raw.tofile(src)
+    engramdb.attach(tmp_path / "db", "t", [src], row_bytes=160)
+    with engramdb.open(tmp_path / "db") as db:
+        st = db["t"]
+        reader = _reader(compiled)
+        _read(reader, [(st, np.array([1], np.int64))])  # the ring exists now
+        ring = reader._ring
+        assert ring is not None and ring.wake is not None
+        ring.wake = lambda n, *order: True  # takes nothing: each wait submits what it needs
+        first, later = np.array([5, 19_990, 3], np.int64), np.array([7, 8], np.int64)
+        for cut in (False, True):
+            if cut:
+                os.truncate(src, 10_000 * 160)  # rows past 10,000 are gone
+            t1, t2 = StepTicket(first), StepTicket(later)
+            assert reader.submit([(st, first, t1), (st, later, t2)])
+            if cut:
+                with pytest.raises(TruncatedFile, match="rows.bin"):
+                    t1.wait()
+            else:
+                t1.wait()
+                assert t1.rows is not None and np.array_equal(t1.rows, raw[first])
+            assert ring.unsubmitted() == later.size  # the second ticket's reads still wait
+            if not cut:
+                t2.wait()
+                assert t2.rows is not None and np.array_equal(t2.rows, raw[later])
         reader.close()
 
 

@@ -25,5 +25,11 @@ def spans(
 def copy_out(dest: object, buf: object, slot: object, ip: object, lo: int) -> None: ...
 def res_total(cqes: object, start: int, count: int) -> int: ...
 def route(
-    cq_head: object, cq_tail: object, cqes: object, got: object, ends: object, counts: object
+    cq_head: object,
+    cq_tail: object,
+    cqes: object,
+    got: object,
+    ends: object,
+    counts: object,
+    sums: object = None,
 ) -> int: ...

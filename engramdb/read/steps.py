@@ -113,7 +113,7 @@ class StepReader:
         self._plan: Plan | None = None  # the current step's
         self._cols: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # ring position -> off, len
         self._tickets: list[StepTicket] = []
-        self._got = np.zeros(0, np.int64)  # per request: bytes read, or -errno
+        self._got = np.zeros(0, np.int64)  # per routed request (`_route`): bytes read, or -errno
         self._checked = False  # the current step's reads reaped and checked
         self._error: BaseException | None = None  # a read of the current step that failed
         self._left = 0  # requests of the current step not reaped yet
@@ -121,7 +121,8 @@ class StepReader:
         self._ordered = False  # the step in flight takes part in `read_order` (ends its burst)
         self._ready: set[int] = set()  # tickets (by lo) whose reads are checked
         self._indexed: set[int] = set()  # tickets (by lo) whose rows' units are computed
-        self._counts = np.zeros(0, np.int64)  # completions reaped per ticket (`_reap`)
+        # per ticket: completions reaped one by one (`_reap`), and the sum of their results
+        self._counts = self._sums = np.zeros(0, np.int64)
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
         self.closed = False
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
@@ -327,7 +328,6 @@ class StepReader:
             return False
         if self._total_fn(ring.cqes, start, count) != plan.span_total:
             return False
-        np.copyto(self._got[: plan.n], plan.span)
         ring.cq_head[0] = (head + count) & 0xFFFFFFFF
         self._left = 0
         return True
@@ -350,24 +350,28 @@ class StepReader:
             self._routed = True
 
     def _step_counts(self) -> np.ndarray:
-        """The step's completions per ticket, zeroed before its first completion is routed
-        (most steps never route one by one: `_reap_step`)."""
+        """The step's completions per ticket, zeroed (with their results' sums) before its
+        first completion is routed (most steps never route one by one: `_reap_step`)."""
         if not self._routed:
-            self._counts = np.zeros(len(self._tickets), np.int64)
+            self._counts, self._sums = np.zeros((2, len(self._tickets)), np.int64)
         return self._counts
 
     def _route(self, ring: Ring, plan: Plan) -> int:
         """Every completion now in ``ring``: its result to its request, its ticket's count up
-        by one, its slot freed; one compiled pass where built. Returns how many."""
+        by one and its result into the ticket's sum, its slot freed; one compiled pass where
+        built. Returns how many."""
         if self._route_fn is not None:
             return self._route_fn(
-                ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts
-            )
+                ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts,
+                self._sums,
+            )  # fmt: skip
         got = ring.reap()
         ud = got["user_data"].astype(np.int64)
         self._got[ud] = got["res"]
         where = np.searchsorted(plan.ends, ud, side="right")
-        self._counts += np.bincount(where, minlength=len(self._counts))[: len(self._counts)]
+        t = len(self._counts)
+        self._counts += np.bincount(where, minlength=t)[:t]
+        self._sums += np.bincount(where, got["res"], minlength=t)[:t].astype(np.int64)
         return int(got.size)
 
     def collect(self, t: StepTicket) -> None:
@@ -450,8 +454,9 @@ class StepReader:
                     # the later tickets' entries stay for the submitter (`submit`'s order)
                     self._reap(wait=True, hold=plan.n - t.hi)
                 lo, hi = t.lo, t.hi
-                got, span = self._got[lo:hi], plan.span[lo:hi]
-                if not np.array_equal(got, span):
+                # every read whole: their sum is the ticket's (`_route`; numpy's check: ~50 us)
+                if int(self._sums[k]) != int(plan.part_span[k]):
+                    got, span = self._got[lo:hi], plan.span[lo:hi]
                     err = self._reread(t.store, plan, np.flatnonzero(got != span) + lo)  # type: ignore[arg-type]
                     if err is not None:
                         self._error = err
@@ -491,16 +496,19 @@ class StepReader:
         plan = self._plan
         assert plan is not None
         n = plan.n
-        got, span = self._got[:n], plan.span
         self._error = None
         tickets = self._tickets
+        parts = None
         if len(tickets) == 1:
             tickets[0].store.note_step_read(n, plan.span_total)  # type: ignore[union-attr]
         else:
-            for t, part in zip(tickets, plan.part_span.tolist()):
+            parts = plan.part_span.tolist()
+            for t, part in zip(tickets, parts):
                 if t.store is not None:
                     t.store.note_step_read(t.hi - t.lo, part)
-        if not fast and int(got.sum()) != plan.span_total:  # a short, failed or cut read
+        # not `fast`: each completion was routed into its ticket's sum (numpy's sum: ~30 us)
+        if not fast and self._sums.tolist() != (parts or plan.part_span.tolist()):
+            got, span = self._got[:n], plan.span
             bad = np.flatnonzero(got != span)
             owner = self._owner_of(int(bad[0]))
             err = self._reread(owner.store, plan, bad)  # type: ignore[arg-type]
