@@ -180,30 +180,40 @@ def test_route_hands_each_completion_to_its_request_and_ticket() -> None:
         route(head, tail, cqes[:6], got, ends, counts)  # not a power of two
 
 
-def test_results_total_sums_the_results_of_a_range_of_entries(
-    rng: np.random.Generator,
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_step_is_taken_at_once_only_when_all_its_reads_are_in_and_whole(
+    rng: np.random.Generator, compiled: bool
 ) -> None:
-    """A step's reads are checked by the sum of their results: the compiled sum equals numpy's
-    over any range (failed reads' negative results included) and refuses entries past the
-    queue; a reader uses it where built."""
+    """`take_step` (compiled, or its numpy twin): a CQ holding exactly the step's completions,
+    wrapping its end, whose results sum to the step's spans is taken (the head moves past
+    them); fewer, more, or one read short or failed takes nothing; a CQ whose entry count
+    is not a power of two is refused. A reader uses the compiled one where built."""
     from engramdb.io.sqpoll import step_compiled
     from engramdb.io.uring_ring import CQE_DTYPE
-    from engramdb.read.step_plan import results_total
+    from engramdb.read.step_plan import take_step
 
-    cqes = np.zeros(64, CQE_DTYPE)
-    cqes["user_data"] = rng.integers(0, 1 << 40, 64)
-    cqes["res"] = rng.integers(-(1 << 31), 1 << 31, 64)
-    cqes["flags"] = rng.integers(0, 1 << 32, 64)
-    total = step_compiled("res_total")
-    for start, count in ((0, 64), (5, 17), (63, 1), (10, 0)):
-        want = int(cqes["res"][start : start + count].astype(np.int64).sum())
-        assert results_total(cqes, start, count) == want
-        if total is not None:
-            assert total(cqes, start, count) == want
-    if total is not None:
-        assert StepReader()._total_fn is total
-        with pytest.raises(ValueError, match="past the completion queue"):
-            total(cqes, 60, 5)
+    take = step_compiled("take_step") if compiled else take_step
+    if take is None:
+        pytest.skip("the compiled step parts are not built")
+    cqes = np.zeros(16, CQE_DTYPE)
+    cqes["user_data"] = rng.integers(0, 1 << 40, 16)
+    cqes["flags"] = rng.integers(0, 1 << 32, 16)
+    spans = rng.integers(1, 1 << 20, 6)
+    for k, res in enumerate(spans):  # six completions in slots 13, 14, 15, 0, 1, 2
+        cqes["res"][(13 + k) % 16] = res
+    total = int(spans.sum())
+    head, tail = np.array([13], np.uint32), np.array([13 + 6], np.uint32)
+    assert take(head, tail, cqes, 7, total) == 0 and int(head[0]) == 13  # one still out
+    assert take(head, tail, cqes, 5, total) == -1 and int(head[0]) == 13  # more than asked
+    for bad in (-5, int(spans[4]) - 1):  # a failed read; a short one
+        cqes["res"][1] = bad
+        assert take(head, tail, cqes, 6, total) == -1 and int(head[0]) == 13
+    cqes["res"][1] = spans[4]
+    assert take(head, tail, cqes, 6, total) == 1 and int(head[0]) == 19  # taken: slots free
+    if compiled:
+        assert StepReader()._take_fn is take
+        with pytest.raises(ValueError, match="entries"):
+            take(head, tail, cqes[:12], 0, 0)  # not a power of two
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])

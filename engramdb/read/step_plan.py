@@ -30,7 +30,7 @@ __all__ = [
     "direct_layout",
     "grid_view",
     "plan_spans",
-    "results_total",
+    "take_step",
     "staged",
     "stride",
 ]
@@ -214,12 +214,22 @@ def staged(stage: np.ndarray, plan: Plan) -> np.ndarray:
     return st
 
 
-def results_total(cqes: np.ndarray, start: int, count: int) -> int:
-    """The sum of the results of completion entries ``start .. start + count - 1`` of
-    ``cqes`` (not wrapping) by one numpy reduction: the step reader's check where the
-    compiled ``_submitter.res_total`` is not built (inside a model's step the reduction cost
-    ~13 us, the compiled sum a fraction of it)."""
-    return int(cqes["res"][start : start + count].sum())
+def take_step(
+    cq_head: np.ndarray, cq_tail: np.ndarray, cqes: np.ndarray, left: int, total: int
+) -> int:
+    """A step's ``left`` completions taken at once where they are all in and their results
+    sum to ``total`` (1: the head moved past them); 0: fewer are in; -1: more, or a read came
+    back short or failed (nothing taken). The numpy twin of the compiled
+    ``_submitter.take_step``, for builds without it."""
+    head = int(cq_head[0])
+    count = (int(cq_tail[0]) - head) & 0xFFFFFFFF
+    if count != left:
+        return 0 if count < left else -1
+    at = (head + np.arange(count)) & (cqes.size - 1)
+    if int(cqes["res"][at].astype(np.int64).sum()) != total:
+        return -1
+    cq_head[0] = (head + count) & 0xFFFFFFFF
+    return 1
 
 
 def direct_layout(store: StepTable, direct: list[int]) -> Layout | None:

@@ -78,9 +78,9 @@ from engramdb.read.step_plan import (
     StepTicket,
     direct_layout,
     plan_spans,
-    results_total,
     staged,
     stride,
+    take_step,
 )
 
 __all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
@@ -131,7 +131,7 @@ class StepReader:
         self._spans_fn = step_compiled("spans")
         self._copy_fn = step_compiled("copy_out")
         self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
-        self._total_fn = (CQE_DTYPE.itemsize == 16 and step_compiled("res_total")) or results_total
+        self._take_fn = (CQE_DTYPE.itemsize == 16 and step_compiled("take_step")) or take_step
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
         self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
 
@@ -318,17 +318,13 @@ class StepReader:
         looking at them one by one. False: the slow path (`_reap`, per request) follows."""
         ring, plan = self._ring, self._plan
         assert ring is not None and plan is not None
-        head = int(ring.cq_head[0])
-        count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
-        if count < self._left:
-            _wait(ring, self._left - count)
-            count = (int(ring.cq_tail[0]) - head) & 0xFFFFFFFF
-        start = head & ring.cq_mask
-        if count != self._left or start + count > ring.cq_entries:
+        take, left = self._take_fn, self._left
+        r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
+        if r == 0:  # not all in: wait for the rest
+            _wait(ring, left - ((int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF))
+            r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
+        if r != 1:
             return False
-        if self._total_fn(ring.cqes, start, count) != plan.span_total:
-            return False
-        ring.cq_head[0] = (head + count) & 0xFFFFFFFF
         self._left = 0
         return True
 
