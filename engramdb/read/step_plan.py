@@ -30,9 +30,9 @@ __all__ = [
     "direct_layout",
     "grid_view",
     "plan_spans",
-    "take_step",
     "staged",
     "stride",
+    "take_step",
 ]
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
