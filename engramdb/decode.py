@@ -534,8 +534,8 @@ class Decoder:
         self.direct_fills += 1
         if dt > 10e-6 * r.size:  # faults: a cold table, or a mapping not populated yet
             self.stores[i].note_mapped_gather(r.size, dt)  # type: ignore[attr-defined]
-            # prefetch for a while: the worker reads the rows (from the page cache when
-            # resident) and fills copy them, so this thread takes no faults
+            # prefetch for a while where the rows are cold: the step reader reads them from
+            # the device, so this thread takes no major faults
             self.rule.faulted(i)
 
     def _fill_direct(

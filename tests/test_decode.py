@@ -591,8 +591,9 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefetch judged off, no recheck due and the read rule cleanly mapped: a push asks the
-    table nothing (the rule's quiet window) until a fill reports faults (`faulted`), after
-    which the next push prefetches."""
+    table nothing (the rule's quiet window) until a fill reports faults (`faulted`). The next
+    push then looks again: rows still resident (minor faults: the fills keep them) start no
+    prefetch; rows found cold (the table evicted) are read ahead."""
     h = small_qwen()
     build_for(tmp_path, h, 2, "ple", 5)
     with engramdb.open(tmp_path, background_warm=False) as db:
@@ -613,7 +614,17 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
         assert asked == [] and dec.prefetched == 0
         dec.rule.faulted(0)
         dec.push(9)
-        assert dec.prefetched == 1 and asked == [1]
+        assert asked == [1] and dec.prefetched == 0  # looked; resident: no prefetcher thread
+        dec.fill(out)
+        drop_mapped_pages(s.array())
+        for sh in s.info.shards:
+            evict(tmp_path / sh.path)
+        dec.rule.recheck_s = 0.0  # the next look samples the rows
+        dec.rule.faulted(0)
+        dec.push(10)
+        if not dec.rule.cold[0]:
+            pytest.skip("the evicted table stayed resident")
+        assert dec.prefetched == 1 and asked == [1, 1]
         dec.fill(out)
 
 
