@@ -114,7 +114,6 @@ class _Hot:
         "ticket_ids",
         "ticket_src",
         "view_cache",
-        "shape3",
     )
 
     def __init__(self) -> None:
@@ -127,8 +126,6 @@ class _Hot:
         #: unchanged, needs no second check
         self.ticket_src: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
-        #: ``(B, L, H, row bytes)`` of the CPU int64 ``[B, L, H]`` ids `_global` last took
-        self.shape3: tuple[int, ...] | None = None  # (None: another shape or path)
 
 
 class DiskMultiHeadEmbedding(_DiskTable):
@@ -278,12 +275,12 @@ class DiskMultiHeadEmbedding(_DiskTable):
         background read)."""
         return self._hot.resident_skips
 
-    def _global(self, local_ids: Any) -> np.ndarray | None:
+    def _global(self, local_ids: Any) -> tuple[np.ndarray | None, tuple[int, ...] | None]:
         """Validated global ids ``[N * H]`` of local ids ``[..., H]`` (None: out of range or
-        not ``[..., H]``); a contiguous CPU int64 tensor in one compiled call on its numpy view
+        not ``[..., H]``), and ``(B, L, H, row bytes)`` where they are a CPU int64 ``[B, L, H]``
+        tensor (else None); such a tensor in one compiled call on its numpy view
         (`globalizer`: numpy's check and add cost ~50 us a step, torch's attributes ~6 us)."""
         to_global = self._global_at
-        self._hot.shape3 = None
         if to_global is not None and type(local_ids) is torch.Tensor:
             try:
                 arr = local_ids.numpy()  # a view; a device tensor raises
@@ -293,15 +290,14 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 flat = np.empty(arr.size, np.int64)
                 ok = to_global(arr, self._bounds_bytes, self._offsets_bytes, flat)
                 if ok >= 0:  # else not contiguous int64 [..., H]: the general path
-                    if arr.ndim == 3:
-                        self._hot.shape3 = (*arr.shape, self._rb)
-                    return flat if ok else None
+                    shape = (*arr.shape, self._rb) if arr.ndim == 3 else None
+                    return (flat if ok else None), shape
         ids = self._as_ids(local_ids)
         if ids.ndim < 1 or ids.shape[-1] != self._n_heads:
-            return None
+            return None, None
         if not self._in_heads(ids):  # negative ids: huge
-            return None
-        return np.add(ids, self._offsets_np).reshape(-1)
+            return None, None
+        return np.add(ids, self._offsets_np).reshape(-1), None
 
     def prefetch(self, local_ids: Any) -> bool:
         """Start a background read of the rows of ``local_ids`` ``[B, L, H]`` (a later
@@ -314,7 +310,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         the gather, counted in `prefetch_skips`) — never while the table's background warm
         reads it. A second call replaces a pending one."""
         pf = getattr(self.store, "prefetcher", None)
-        flat = self._global(local_ids)
+        flat, shape = self._global(local_ids)
         if pf is None or flat is None:
             return False
         hot = self._hot
@@ -352,10 +348,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
             ticket = pf.submit_trusted(flat, keep_rows=True)
         hot.ticket = ticket
         hot.ticket_ids = flat
-        if hot.shape3 is None:  # not a CPU int64 [B, L, H] tensor
+        if shape is None:  # not a CPU int64 [B, L, H] tensor
             hot.ticket_src = None
         else:  # with torch's counter of in-place changes to it (what autograd checks)
-            hot.ticket_src = (local_ids, local_ids._version, hot.shape3)  # noqa: SLF001
+            hot.ticket_src = (local_ids, local_ids._version, shape)  # noqa: SLF001
         hot.prefetches += 1
         return True
 

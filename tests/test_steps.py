@@ -276,13 +276,20 @@ def test_copy_out_puts_every_row_of_a_step_into_a_strided_grid(
         copy(np.zeros((n, rb // 64, 64), np.uint8), buf, bad, ip, 0)
 
 
-def test_a_source_truncated_under_the_reader_raises_truncated_file(
-    tmp_path: Path, rng: np.random.Generator
-) -> None:
+def _attached_rows(tmp_path: Path, rng: np.random.Generator) -> tuple[np.ndarray, Path]:
+    """Table ``t`` of ``tmp_path / "db"`` attached over a raw file of 20,000 random 160 B
+    rows: the rows and the file."""
     raw = rng.integers(0, 256, (20_000, 160), dtype=np.uint8)
     src = tmp_path / "rows.bin"
     raw.tofile(src)
     engramdb.attach(tmp_path / "db", "t", [src], row_bytes=160)
+    return raw, src
+
+
+def test_a_source_truncated_under_the_reader_raises_truncated_file(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    raw, src = _attached_rows(tmp_path, rng)
     with engramdb.open(tmp_path / "db") as db:
         st = db["t"]
         reader = StepReader()
@@ -309,10 +316,7 @@ def test_a_cut_read_of_a_steps_first_ticket_raises_before_the_rest_is_read(
 
     if not sqpoll.submitter_state()[0] or sqpoll.sqpoll_state()[0]:
         pytest.skip("no submitter here")
-    raw = rng.integers(0, 256, (20_000, 160), dtype=np.uint8)
-    src = tmp_path / "rows.bin"
-    raw.tofile(src)
-    engramdb.attach(tmp_path / "db", "t", [src], row_bytes=160)
+    raw, src = _attached_rows(tmp_path, rng)
     with engramdb.open(tmp_path / "db") as db:
         st = db["t"]
         reader = _reader(compiled)

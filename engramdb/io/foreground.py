@@ -143,11 +143,8 @@ class Foreground:
     def _absorb(self) -> None:
         """(The lock held) the batches `note` announced since, in their order."""
         q = self._noted
-        while q:
-            try:
-                now, duration = q.popleft()
-            except IndexError:  # pragma: no cover - another reader took the last one
-                break
+        while q:  # (only the lock's holder takes: the engine's thread only appends)
+            now, duration = q.popleft()
             if self.inflight == 0 and now >= self.busy_until:
                 self._started(now)
                 if self._period > 0.0:
