@@ -7,7 +7,7 @@ tables in RAM vs through EngramDB (issues 18 item 5 and 21).
         [--hidden 448] [--blocks 1:10,8:4] [--arms ram,warm:module,...] [--no-train] [--dir D]
         [--keep]
         [--gpu-arms gpu:ram,gpu:host,...] [--gpu-hidden 4096] [--gpu-blocks 32] [--paired]
-        [--engine-cpu N]
+        [--paired-only] [--engine-cpu N]
 
 The model: a token embedding (8192 tokens), ``--blocks`` residual MLP blocks of width
 ``--hidden``, an lm head, and two engram-peft 1.2.7 `EngramLayer`s (ids 1 and 3, after blocks 1
@@ -37,6 +37,8 @@ started by its first cold read or prefetch, or by its first faulting mapped read
 
 * ``ram``: engram-peft's own `MultiHeadEmbedding` (an ``nn.Embedding``) over the table read into
   anonymous memory (``np.fromfile``): the baseline every ratio is against.
+* ``ram:twin``: a second in-RAM copy of the same tables, run like an arm: with ``--paired``,
+  the A/A control (how far a paired ratio strays from 1 with nothing of EngramDB in the step).
 * ``module``: `engramdb.torch.DiskMultiHeadEmbedding` in place of it, synchronous reads.
 * ``module+pf``: the same module; right after sampling, the model hashes the next token and calls
   ``module.prefetch(ids)`` for each layer, so the read overlaps the blocks before the layer.
@@ -59,6 +61,11 @@ table in GPU memory: the baseline of the ratios), ``gpu:host`` (in host RAM, sta
 way: a second ratio column), ``warm:gpu:module``, ``warm:gpu:decoder``, ``cold:gpu:module``,
 ``cold:gpu:module+pf``, ``cold:gpu:decoder`` (``--gpu-arms``). ``E2E_GPU_DRYRUN=1`` runs their
 code on the CPU to check the plumbing (not a measurement).
+
+``--paired`` also runs each arm in a process of its own beside the in-RAM tables, 8-step
+blocks alternating (ram, arm, arm, ram, ...); the summary pools the reps' blocks into one
+ratio with a 95 % bootstrap interval. ``--paired-only`` skips the separate unpaired processes
+of the arms after ``ram``.
 
 Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwise). Printed per
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
@@ -399,7 +406,9 @@ def child(args: argparse.Namespace) -> None:
     dec = None
     mods: dict[int, Any] = {}  # EngramDB's modules (prefetch calls, counters)
     tables: dict[int, Any] = {}  # what the model's layers call
-    if kind in ("ram", "host"):
+    if kind == "twin":  # the A/A control: a second copy of the in-RAM tables
+        tables = {lay: baseline(lay) for lay in ENGRAM_AFTER}
+    elif kind in ("ram", "host"):
         if kind == "host" and not gpu:
             raise SystemExit("the host arm is a GPU arm (gpu:host)")
         tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
@@ -541,7 +550,7 @@ def child(args: argparse.Namespace) -> None:
         doc["served_prefetched"] = sum(m.served_prefetched for m in mods.values())
     if prefetch_module:
         doc["module_prefetches"] = sum(m.prefetches for m in mods.values())
-    if kind != "ram":
+    if kind not in ("ram", "twin"):
         c = [s.counters() for s in stores.values()]
         doc["rows_fetched"] = sum(x["rows_fetched"] for x in c)
         doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
@@ -677,7 +686,7 @@ def paired_steps(
         ram.start()
         pin_engine(args)  # after both starts: the library's threads exist by now
         blocks = args.steps // PAIR_BLOCK
-        t_ram, t_arm, ratios = 0.0, 0.0, []
+        t_ram, t_arm, ratios, times = 0.0, 0.0, [], []
         for k in range(blocks):
             first, second = (ram, arm) if k % 2 == 0 else (arm, ram)
             a = first.steps(PAIR_BLOCK)
@@ -686,6 +695,7 @@ def paired_steps(
             t_ram += tr
             t_arm += ta
             ratios.append(tr / ta)
+            times.append((tr, ta))
     diff = [i for i, (x, y) in enumerate(zip(ram.toks, arm.toks)) if not np.array_equal(x, y)]
     first = None
     if diff:  # where the two decodes part: the step, and which sequences of the batch
@@ -695,6 +705,7 @@ def paired_steps(
         "paired_vs_ram": t_ram / t_arm,
         "paired_block_median": float(np.median(ratios)),
         "paired_blocks": blocks,
+        "paired_block_times": times,
         "paired_tokens_identical": not diff and len(ram.toks) == len(arm.toks),
         "paired_first_difference": first,
         "arm_cpus": arm.cpus,
@@ -980,6 +991,12 @@ def main() -> None:
         "of 8 steps with the arm (drift cancels), and report that ratio per arm",
     )
     ap.add_argument(
+        "--paired-only",
+        action="store_true",
+        help="with --paired: run only the paired process of each arm but the first (no "
+        "separate, unpaired arm processes)",
+    )
+    ap.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -1086,8 +1103,10 @@ def run_batch(
         order = arms if rep % 2 == 0 else arms[:1] + arms[1:][::-1]
         for arm in order:
             try:  # a failed arm is reported and the others still run (exit status 1)
-                runs[arm].append(spawn(args, root, arm, b))
-                if args.paired and parse_arm(arm)[1] not in ("ram", "host"):
+                pair = args.paired and parse_arm(arm)[1] not in ("ram", "host")
+                if not (pair and args.paired_only):
+                    runs[arm].append(spawn(args, root, arm, b))
+                if pair:
                     pairs[arm].append(spawn(args, root, arm, b, paired=True))
             except ArmFailed as e:
                 print(f"FAILED: {e}")
@@ -1101,6 +1120,7 @@ def run_batch(
         for arm, ps in pairs.items():
             if not ps:
                 continue
+            rows.setdefault(arm, {"tokens_identical": True})  # --paired-only: no unpaired row
             rows[arm]["paired_vs_ram"] = median([p["paired_vs_ram"] for p in ps])
             rows[arm]["paired_vs_ram_reps"] = [p["paired_vs_ram"] for p in ps]
             rows[arm]["paired_irq_cpu_share"] = [p["irq_cpu_share"] for p in ps]
@@ -1120,6 +1140,12 @@ def run_batch(
                     for k, d in enumerate(p.get("paired_first_difference") for p in ps)
                     if d
                 )
+            )
+            lo, mid, hi = pooled_ratio([t for p in ps for t in p["paired_block_times"]])
+            rows[arm]["paired_pooled"] = [lo, mid, hi]
+            print(
+                f"                        pooled over the reps' blocks: {mid:.3f}x "
+                f"(95% bootstrap interval {lo:.3f}-{hi:.3f})"
             )
             gaps = []
             for p in ps:  # where the arm's extra time a step went
@@ -1141,6 +1167,16 @@ def run_batch(
                 f"{warm['lookup_vs_ram']:.2f}x" + (" (bar <= 1.5x)" if base == "ram" else "")
             )
     return rows, ok
+
+
+def pooled_ratio(times: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """In-RAM over arm time summed over paired blocks ``(t_ram, t_arm)``, with a 95 %
+    bootstrap interval (blocks resampled with replacement, 4000 draws)."""
+    t = np.asarray(times, dtype=np.float64).reshape(-1, 2)
+    pick = np.random.default_rng(0).integers(0, len(t), (4000, len(t)))
+    boot = t[pick, 0].sum(axis=1) / t[pick, 1].sum(axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(lo), float(t[:, 0].sum() / t[:, 1].sum()), float(hi)
 
 
 def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
