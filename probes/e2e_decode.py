@@ -1159,7 +1159,7 @@ def run_batch(
     base = arms[0]
     for warm_arm in ("warm:module", "warm:gpu:module"):
         warm = rows.get(warm_arm)
-        if warm is not None:
+        if warm is not None and "lookup_ms" in warm:  # --paired-only: no unpaired figure
             print(
                 f"  B={b} warm lookup per step: DiskMultiHeadEmbedding ({warm_arm}) "
                 f"{warm['lookup_ms'] * 1e3:.1f} us vs nn.Embedding (engram-peft's "
