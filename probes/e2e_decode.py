@@ -528,6 +528,10 @@ def child(args: argparse.Namespace) -> None:
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
         pdoc["irq_cpus"] = sorted(irq_cpus)
+        pdoc.update(arm_state(stores, dec, mods, kind))
+        pdoc["resident_after"] = float(
+            np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER])
+        )
         db.close()
         print("RESULT " + json.dumps(pdoc))
         return
@@ -543,22 +547,30 @@ def child(args: argparse.Namespace) -> None:
         "irq_cpus": sorted(irq_cpus),
         **proc_status(),
     }
+    doc.update(arm_state(stores, dec, mods, kind))
+    db.close()
+    print("RESULT " + json.dumps(doc))
+
+
+def arm_state(stores: dict[int, Any], dec: Any, mods: dict[int, Any], kind: str) -> dict[str, Any]:
+    """What an arm's tables and decoder did by the end: the share of steps prefetched, the
+    auto rule's switches, the hook's misses, the background warm's bytes."""
+    doc: dict[str, Any] = {}
     if dec is not None:
         doc["prefetched_share"] = dec.prefetched / max(1, dec.steps * len(dec.layers))
         doc["auto_switches"] = dec.auto_switches
         doc["served_read"] = sum(m.served_read for m in mods.values())
         doc["served_prefetched"] = sum(m.served_prefetched for m in mods.values())
-    if prefetch_module:
+    if kind == "module+pf":
         doc["module_prefetches"] = sum(m.prefetches for m in mods.values())
-    if kind not in ("ram", "twin"):
+    if kind not in ("ram", "twin", "host"):
         c = [s.counters() for s in stores.values()]
         doc["rows_fetched"] = sum(x["rows_fetched"] for x in c)
         doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
         w = [s.memory()["warm"] for s in stores.values()]  # the background warm, by the end
         doc["warm_bytes_read"] = sum(x["bytes_read"] for x in w)
         doc["warm_paced_bytes"] = sum(x["paced_pieces"] for x in w) << 20
-    db.close()
-    print("RESULT " + json.dumps(doc))
+    return doc
 
 
 _IDS: dict[int, tuple[np.ndarray, Any]] = {}

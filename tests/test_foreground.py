@@ -257,6 +257,7 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
             assert w.wait(60)
             assert w.state == "done"
             assert s.residency() == 1.0
+            assert not w.top_up  # the whole table was missing
             if yield_on:
                 assert w.gap_pieces >= 1  # read in 1 MiB pieces in the gaps
                 # paced only beside prefetches
@@ -267,6 +268,56 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
             ids = np.arange(0, 40_000, 997, dtype=np.int64)
             got = s.fetch(ids)
             assert np.array_equal(got, np.random.default_rng(5).integers(0, 256, (40_000, ROW), dtype=np.uint8)[ids])
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("missing_kb", [0, 64, 256])
+def test_a_pass_over_a_table_that_lost_a_little_reads_it_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, missing_kb: int
+) -> None:
+    """A table the page cache lost a little of (a reclaimed range), beside a prefetching
+    decode loop: the pass is a top-up. It reads the missing pages at once (no gap pieces,
+    no pacing at 1 byte/s), completes quickly, leaves the table resident, and the rows read
+    back equal the source."""
+    monkeypatch.setenv(OVERLAP_RATE_ENV, "1")  # a paced piece would take days
+    f = Foreground()
+    monkeypatch.setattr("engramdb.io.tiers.FOREGROUND", f)
+    path = _cold_db(tmp_path, 40_000)  # 6.4 MB
+    (edb,) = path.rglob("*.edb")
+    with open(edb, "rb") as src:
+        while src.read(1 << 20):  # the whole table in the page cache
+            pass
+    if missing_kb:
+        evict(edb, offset=2 << 20, length=missing_kb << 10)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with f.reading(waited=False):
+                time.sleep(0.001)
+            time.sleep(0.003)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)  # the rhythm is learnt
+        with engramdb.open(path, background_warm=False) as db:
+            s = db["t"]
+            assert (s.residency() < 1.0) == bool(missing_kb)
+            w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
+            t0 = time.monotonic()
+            w.start()
+            assert w.wait(20)
+            assert (w.state, w.reason) == ("done", "")
+            assert w.top_up
+            assert w.gap_pieces == w.paced_pieces == 0
+            assert time.monotonic() - t0 < 10
+            assert s.residency() == 1.0
+            ids = np.arange(0, 40_000, 613, dtype=np.int64)
+            want = np.random.default_rng(5).integers(0, 256, (40_000, ROW), dtype=np.uint8)
+            assert np.array_equal(s.fetch(ids), want[ids])
     finally:
         stop.set()
         t.join()

@@ -9,30 +9,26 @@ warm, the RSS budget, ``mlock`` and the memory accounting behind ``Store.memory(
   page-cache folios, then ``MADV_POPULATE_READ`` of the chunk so this process's page tables are filled too), skipping
   resident chunks; it cancels itself when ``MemAvailable`` falls under the safety margin or
   the bytes it added reach the budget, and on `cancel`. Beside periodic foreground reads (a
-  decode loop, `engramdb.io.foreground`) it reads in pieces sized to the gaps between them.
-* `mapped_rss` / `process_rss` — this process's resident pages of a mapping (``/proc/self/
-  smaps``) and its ``VmRSS`` / ``RssAnon`` / ``RssFile``; `trim_mapped` drops this process's
-  page-table entries of a range (``MADV_DONTNEED``: the page cache itself stays, for other
-  processes and for a later minor fault).
-* `lock_range` — ``mlock`` with a typed `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``.
+  decode loop, `engramdb.io.foreground`) it reads in pieces sized to the gaps between them,
+  unless it starts with little of the table missing (a top-up: it reads that at once).
+* re-exported from `engramdb.io.process_memory`: `mapped_rss` / `process_rss` — this
+  process's resident pages of a mapping (``/proc/self/smaps``) and its ``VmRSS`` /
+  ``RssAnon`` / ``RssFile``; `trim_mapped` drops this process's page-table entries of a range
+  (``MADV_DONTNEED``: the page cache itself stays, for other processes and for a later minor
+  fault); `lock_range` — ``mlock`` with a typed `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import re
-import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from engramdb._cpus import run_as_worker
-from engramdb.errors import InvalidArgument, MemoryLockRefused
+from engramdb.errors import InvalidArgument
 from engramdb.io.foreground import FOREGROUND, idle_priority, overlap_rate, read_in_gaps
 from engramdb.io.mapping import (
-    LIBC,
     MADV_DONTNEED,
     MADV_SEQUENTIAL,
     madvise,
@@ -40,6 +36,14 @@ from engramdb.io.mapping import (
     populate_range,
     range_pages,
     unmap_range,
+)
+from engramdb.io.process_memory import (
+    lock_range,
+    mapped_rss,
+    mapped_rss_split,
+    process_rss,
+    trim_mapped,
+    unlock_range,
 )
 from engramdb.io.residency import resident_count, spread_pages
 from engramdb.layouts.geometry import PAGE
@@ -84,12 +88,6 @@ def _read_ahead_bytes(fd: int) -> int:
     except OSError:
         pass
     return _UNKNOWN_READ_AHEAD
-
-
-LIBC.mlock.restype = ctypes.c_int
-LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-LIBC.munlock.restype = ctypes.c_int
-LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def meminfo() -> dict[str, int]:
@@ -144,85 +142,14 @@ def range_residency(addr: int, length: int) -> int:
     return range_pages(addr, length)[0]
 
 
-# -- this process's memory ------------------------------------------------------------------
-_STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmLck")
-_RANGE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ", re.M)
-_RSS = re.compile(rb"^Rss:\s+(\d+) kB", re.M)
-_PMD = re.compile(rb"^FilePmdMapped:\s+(\d+) kB", re.M)
-
-
-def process_rss() -> dict[str, int]:
-    """This process's ``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``, ``RssShmem``, ``VmLck``
-    in bytes (``/proc/self/status``)."""
-    out = dict.fromkeys(_STATUS_KEYS, 0)
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in out:
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def mapped_rss(addr: int, length: int) -> int:
-    """Bytes of ``[addr, addr + length)`` mapped resident in this process (the ``Rss`` of
-    the ``/proc/self/smaps`` entries inside it; ~1 ms)."""
-    return mapped_rss_split(addr, length)[0]
-
-
-def mapped_rss_split(addr: int, length: int) -> tuple[int, int]:
-    """``(rss, huge)``: bytes of ``[addr, addr + length)`` mapped resident in this process,
-    and the part of them mapped with 2 MiB page-table entries (``FilePmdMapped``: page-cache
-    folios of 2 MiB, gathered through them without TLB misses per 4 KiB page)."""
-    with open("/proc/self/smaps", "rb") as f:
-        text = f.read()
-    end = addr + length
-    total = huge = 0
-    heads = list(_RANGE.finditer(text))
-    for i, m in enumerate(heads):
-        lo, hi = int(m.group(1), 16), int(m.group(2), 16)
-        if hi <= addr or lo >= end:
-            continue
-        stop = heads[i + 1].start() if i + 1 < len(heads) else len(text)
-        r = _RSS.search(text, m.end(), stop)
-        if r is not None:
-            total += int(r.group(1)) * 1024
-        r = _PMD.search(text, m.end(), stop)
-        if r is not None:
-            huge += int(r.group(1)) * 1024
-    return total, huge
-
-
-def trim_mapped(addr: int, length: int) -> None:
-    """Drop this process's page-table entries for ``[addr, addr + length)`` of a shared file
-    mapping (``MADV_DONTNEED``); the pages stay in the page cache."""
-    madvise(addr, length, MADV_DONTNEED)
-
-
-def lock_range(addr: int, length: int) -> None:
-    """``mlock`` a range (faults it in). Refused → `MemoryLockRefused` naming
-    ``RLIMIT_MEMLOCK`` and its current value."""
-    if length <= 0:
-        return
-    if LIBC.mlock(addr, length) != 0:
-        e = ctypes.get_errno()
-        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        lim = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        hint = (
-            f"RLIMIT_MEMLOCK is {lim}: raise it (ulimit -l, LimitMEMLOCK=, "
-            "--ulimit memlock=) or grant CAP_IPC_LOCK"
-        )
-        if e in (errno.EPERM, errno.ENOMEM, errno.EAGAIN):
-            raise MemoryLockRefused(e, f"mlock of {length} bytes refused: {hint}")
-        raise MemoryLockRefused(e, f"mlock of {length} bytes failed: {os.strerror(e)}; {hint}")
-
-
-def unlock_range(addr: int, length: int) -> None:
-    """``munlock`` a range locked by `lock_range` (errors ignored)."""
-    if length > 0:
-        LIBC.munlock(addr, length)
-
-
 # -- the background warm --------------------------------------------------------------------
+#: A pass that starts with at most this share of its table missing, and at most
+#: `TOP_UP_BYTES`, reads the missing pages at once instead of in a decode loop's gaps
+#: (`BackgroundWarm`): at device speed, a fraction of a second.
+TOP_UP_SHARE = 0.1
+TOP_UP_BYTES = 256 << 20
+
+
 class BackgroundWarm:
     """One bounded-rate sequential pass that brings a mapped table into the page cache and
     this process's page tables, in a daemon thread.
@@ -233,7 +160,15 @@ class BackgroundWarm:
     ``rate`` bounds the bytes read per second (the foreground keeps the rest of the device); ``budget`` bounds the bytes it
     adds to the page cache; a chunk is not read while ``MemAvailable`` is under ``margin``.
     ``state`` is ``"idle"``, ``"running"``, ``"done"`` or ``"cancelled"`` (``reason`` says
-    why: ``"memory pressure"``, ``"budget"``, ``"cancelled"``, or the error)."""
+    why: ``"memory pressure"``, ``"budget"``, ``"cancelled"``, or the error).
+
+    Beside a decode loop a pass reads in the loop's gaps, paced while every read of the loop
+    is a prefetch (`read_in_gaps`). A pass that starts with little of the table missing
+    (`TOP_UP_SHARE` of it at most, `TOP_UP_BYTES` at most, estimated from spread pages) is
+    a *top-up* (``top_up``): it reads what is missing at once. A table the page cache lost a
+    little of (reclaimed pages) is whole again in a fraction of a second, rather than read
+    at the paced rate for seconds while the decoder reads each step's rows from the device
+    because a warm is under way (`LocalTable.warming`)."""
 
     def __init__(
         self,
@@ -265,6 +200,7 @@ class BackgroundWarm:
         self.passes = 0
         self.gap_pieces = 0  # pieces read between periodic foreground batches
         self.paced_pieces = 0  # of those, pieces paced beside prefetched reads
+        self.top_up = False  # the pass found little missing: read it at once (class doc)
         self._piece_bps = 1e9  # smoothed read rate of those pieces (bytes/s)
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
@@ -317,10 +253,22 @@ class BackgroundWarm:
         if state == "done" and done is not None:
             done()  # e.g. the read rule checks residency at its next batch, not 0.25 s later
 
+    def missing_estimate(self, samples: int = 1024) -> int:
+        """Bytes of the pass's regions not in the page cache, estimated from ``samples``
+        evenly spread pages (one ``mincore`` each: ~2 ms for 1024, whatever the size)."""
+        total = sum(-(-size // PAGE) * PAGE for _, size, _ in self.shards)
+        addrs = spread_pages(self.base, total, samples)
+        if not addrs:
+            return 0
+        return int(total * (1.0 - resident_count(addrs) / len(addrs)))
+
     def _run(self) -> None:
         run_as_worker()
         t0 = time.monotonic()
         try:
+            total = sum(-(-size // PAGE) * PAGE for _, size, _ in self.shards)
+            missing_est = self.missing_estimate()
+            self.top_up = missing_est <= min(TOP_UP_BYTES, TOP_UP_SHARE * total)
             pos = self.base
             for fd, size, start in self.shards:
                 own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -354,7 +302,7 @@ class BackgroundWarm:
                             # read-ahead brings those pages in too.
                             win = min(size, off + n + slack) - off
                             before, pages = range_pages(addr, win)
-                            if idle_priority(FOREGROUND.yielding()):
+                            if idle_priority(FOREGROUND.yielding()) and not self.top_up:
                                 # periodic foreground reads (a decode loop): the chunk in
                                 # pieces, each in a gap between their batches, no read-ahead
                                 # past it (so the device queue is empty when a batch comes),
