@@ -633,6 +633,7 @@ def paired_steps(
             self.nxt: np.ndarray | None = None
             self.feed_s = 0.0
             self.look_s = 0.0
+            self.feeds: list[float] = []  # per step (not the prefills)
 
         def enter(self) -> None:
             for lay in ENGRAM_AFTER:
@@ -685,8 +686,10 @@ def paired_steps(
                 Clock.total = 0.0
                 t0 = time.perf_counter()
                 col = self.nxt.reshape(-1, 1)
+                f0 = self.feed_s
                 self.nxt = model(torch.from_numpy(col), self.feed(col)).numpy()
                 total += time.perf_counter() - t0
+                self.feeds.append(self.feed_s - f0)
                 self.look_s += Clock.total
                 self.cpus.append(current_cpu())
             return total
@@ -724,6 +727,10 @@ def paired_steps(
         # per step, [in-RAM, arm]: the ids' keygen (or the decoder's push), the table calls
         # inside the forward (module forwards, fills), and the whole step
         "paired_feed_us": [x.feed_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
+        # the per-step feed's p50 / p90 / max (us), [in-RAM, arm]
+        "paired_feed_pcts_us": [
+            (np.percentile(x.feeds, [50, 90, 100]) * 1e6).tolist() for x in (ram, arm)
+        ],
         "paired_lookup_us": [x.look_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
         "paired_step_us": [t * 1e6 / max(1, blocks * PAIR_BLOCK) for t in (t_ram, t_arm)],
     }
