@@ -1175,6 +1175,32 @@ def run_batch(
                     f"{(sa - fa - la) - (sr - fr - lr):+.0f}"
                 )
             print("                        arm - in-RAM per step (us): " + "; ".join(gaps))
+            print(
+                "                        per rep: feed p50/p90 in-RAM, arm (us) "
+                + "; ".join(
+                    "{:.0f}/{:.0f}, {:.0f}/{:.0f}".format(
+                        *p["paired_feed_pcts_us"][0][:2], *p["paired_feed_pcts_us"][1][:2]
+                    )
+                    for p in ps
+                    if "paired_feed_pcts_us" in p
+                )
+                + "; resident at the end "
+                + " ".join(f"{p.get('resident_after', float('nan')):.1%}" for p in ps)
+                + "; background warm read (GB, paced) "
+                + " ".join(
+                    "{:.2f} ({:.2f})".format(
+                        p.get("warm_bytes_read", 0) / 1e9, p.get("warm_paced_bytes", 0) / 1e9
+                    )
+                    for p in ps
+                )
+                + (
+                    "; prefetched "
+                    + " ".join(f"{p['prefetched_share']:.0%}" for p in ps)
+                    + " of steps"
+                    if all("prefetched_share" in p for p in ps)
+                    else ""
+                )
+            )
     base = arms[0]
     for warm_arm in ("warm:module", "warm:gpu:module"):
         warm = rows.get(warm_arm)
