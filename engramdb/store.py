@@ -241,6 +241,7 @@ class Store(LocalTable):
                 "starts": tiers.warm_starts,
                 "gap_pieces": w.gap_pieces,
                 "paced_pieces": w.paced_pieces,
+                "top_up": w.top_up,
             },
             "process": process_rss(),
         }

@@ -142,6 +142,7 @@ def test_a_table_that_fits_is_warmed_by_its_first_cold_read(
         assert s.tiers.warm.wait(60)
         m = s.memory()
         assert m["warm"]["state"] == "done" and m["warm"]["starts"] == 1
+        assert m["warm"]["top_up"] is False  # the table was cold: a paced pass, not a top-up
         assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
         assert m["rss_file_bytes"] >= 0.9 * s.nbytes  # populated: this process maps it
         assert np.array_equal(s.fetch(ids), data[ids])
@@ -175,6 +176,7 @@ def test_a_faulting_mapped_read_fills_this_process_page_tables(
         assert s.memory()["warm"]["starts"] == 1
         m = warmed_memory(s, s.nbytes)
         assert m["warm"]["bytes_read"] == 0  # all resident: only page-table entries
+        assert m["warm"]["top_up"] is True  # nothing missing: read at once
         a.feedback(a.mapped, 1000, 1.0)  # once: a later slow batch starts nothing
         assert s.memory()["warm"]["starts"] == 1
         assert np.array_equal(s.fetch(ids), data[ids])
