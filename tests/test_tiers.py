@@ -142,7 +142,7 @@ def test_a_table_that_fits_is_warmed_by_its_first_cold_read(
         assert s.tiers.warm.wait(60)
         m = s.memory()
         assert m["warm"]["state"] == "done" and m["warm"]["starts"] == 1
-        assert m["warm"]["top_up"] is False  # the table was cold: a paced pass, not a top-up
+        assert m["warm"]["top_up"] is False  # the whole table was missing: not a top-up
         assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
         assert m["rss_file_bytes"] >= 0.9 * s.nbytes  # populated: this process maps it
         assert np.array_equal(s.fetch(ids), data[ids])

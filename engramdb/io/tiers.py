@@ -187,6 +187,8 @@ class BackgroundWarm:
         self.shards = [(int(sh[0]), int(sh[1]), int(sh[2]) if len(sh) > 2 else 0) for sh in shards]
         if any(off % PAGE for _, _, off in self.shards):
             raise InvalidArgument("warm regions must start on a page boundary")
+        #: Bytes of the mapping the regions take, back to back from ``base`` (whole pages).
+        self.span = sum(-(-size // PAGE) * PAGE for _, size, _ in self.shards)
         self.rate = float(rate)
         self.budget = int(budget)
         self.margin = safety_margin() if margin is None else int(margin)
@@ -256,19 +258,17 @@ class BackgroundWarm:
     def missing_estimate(self, samples: int = 1024) -> int:
         """Bytes of the pass's regions not in the page cache, estimated from ``samples``
         evenly spread pages (one ``mincore`` each: ~2 ms for 1024, whatever the size)."""
-        total = sum(-(-size // PAGE) * PAGE for _, size, _ in self.shards)
-        addrs = spread_pages(self.base, total, samples)
+        addrs = spread_pages(self.base, self.span, samples)
         if not addrs:
             return 0
-        return int(total * (1.0 - resident_count(addrs) / len(addrs)))
+        return int(self.span * (1.0 - resident_count(addrs) / len(addrs)))
 
     def _run(self) -> None:
         run_as_worker()
         t0 = time.monotonic()
         try:
-            total = sum(-(-size // PAGE) * PAGE for _, size, _ in self.shards)
-            missing_est = self.missing_estimate()
-            self.top_up = missing_est <= min(TOP_UP_BYTES, TOP_UP_SHARE * total)
+            lost = self.missing_estimate()
+            self.top_up = lost <= min(TOP_UP_BYTES, TOP_UP_SHARE * self.span)
             pos = self.base
             for fd, size, start in self.shards:
                 own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
