@@ -54,7 +54,8 @@ class Decoder:
     engram-peft without a token map).
 
     The ``auto`` rule: `engramdb.read.autorule.PrefetchRule` (``rule``, its sample interval
-    ``auto_recheck_s``; ``auto_checks`` / ``auto_switches``). Cold rows of a mapped table are
+    ``auto_recheck_s``, doubled up to 16x while an off layer stays resident; ``auto_checks``
+    / ``auto_switches``). Cold rows of a mapped table are
     read by a `StepReader` (one ``O_DIRECT`` read per row, submitted at `push`), others by
     the table's prefetcher; resident rows are gathered at `fill` (docs/workloads.md).
 

@@ -628,6 +628,42 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
         dec.fill(out)
 
 
+def test_an_off_layers_rechecks_space_out_while_its_rows_stay_resident(tmp_path: Path) -> None:
+    """A warm layer judged off is checked again after ``recheck_s``, then after twice that
+    while each check finds its rows resident, up to 16 times; a fault starts it over."""
+    h = small_qwen()
+    build_for(tmp_path, h, 2, "ple", 5)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        s = db["ple"]
+        s.populate()
+        dec = Decoder(s, h, auto_recheck_s=0.02)
+        rule = dec.rule
+        out = np.empty(dec.out_shape, np.uint8)
+        wait_mapped(s)
+
+        def step(tok: int) -> float:
+            """A push and fill once the layer's quiet window is over; the new window in
+            units of ``recheck_s``."""
+            time.sleep(max(0.0, rule.quiet_until[0] - time.monotonic()) + 0.002)
+            dec.push(tok)
+            dec.fill(out)
+            return round((rule.quiet_until[0] - rule.at[0]) / rule.recheck_s, 6)
+
+        windows = [step(t) for t in range(1, 8)]
+        if dec.prefetched or not s.mapped_state():
+            pytest.skip("the populated table was not resident (memory pressure)")
+        assert windows == [1, 2, 4, 8, 16, 16, 16]
+        checks = rule.checks
+        assert checks >= 7  # every window ended in a look at the rows
+        rule.faulted(0)
+        assert [step(t) for t in range(8, 11)] == [1, 2, 4]
+        assert dec.prefetched == 0 and rule.checks > checks
+        rows = dec.push(11)[0]  # the fills still give the table's rows
+        dec.fill(out)
+        want = s.fetch(rows.reshape(-1))
+        assert np.array_equal(out.reshape(want.shape), want)
+
+
 @pytest.mark.parametrize("batch", [None, 3])
 def test_local_ids_are_the_models_per_head_ids(
     tmp_path: Path, rng: np.random.Generator, batch: int | None

@@ -6,9 +6,12 @@ reads them from the device) or in the page cache (the table's prefetcher copies 
 mapping of this process is what is cold). The rule judges residency from rows it has *not*
 prefetched: every ``recheck_s`` seconds it checks (``mincore``, ~2 us a page) a few of the
 rows a push has just hashed, before they are submitted; all resident turns prefetch off, any
-miss on. While off, a fill the read rule saw page-faulting (it leaves its mapped state or
-marks it suspect) makes the next push check at once (a slow gather on a busy machine then
-costs a check, not a switch). While the table's background warm reads it, prefetch stays on,
+miss on. While the checks keep finding an off layer resident, each waits twice as long as
+the last, up to `CALM_MAX` doublings (16 x ``recheck_s``): inside a model step a check cost
+~120 us, and every tenth step or so paid one. While off, a fill the read rule saw
+page-faulting (it leaves its mapped state or marks it suspect) makes the next push check at
+once and starts the doubling over (a slow gather on a busy machine then costs a check, not
+a switch). While the table's background warm reads it, prefetch stays on,
 from the device (a warm that starts while prefetch is off and the read rule is cleanly
 mapped is seen at the next recheck, or at once by a fill it makes fault). A fill through the
 mapping that faulted (`faulted`) keeps prefetch on for ``fault_s`` where the rows are sampled
@@ -27,7 +30,10 @@ import numpy as np
 
 from engramdb.read.table import LocalTable
 
-__all__ = ["PrefetchRule"]
+__all__ = ["CALM_MAX", "PrefetchRule"]
+
+#: Doublings of an off layer's recheck interval while its checks keep finding it resident.
+CALM_MAX = 4
 
 
 class PrefetchRule:
@@ -51,6 +57,10 @@ class PrefetchRule:
         #: recheck) while the store's read rule stays in its clean mapped state: `want`
         #: answers in one test (a decode step runs it for every layer, cache-cold).
         self.quiet_until = [-float("inf")] * n
+        #: Per layer: checks in a row that found it resident with prefetch already off (its
+        #: quiet window is ``recheck_s`` doubled that many times, at most `CALM_MAX`; -1
+        #: after a fault or a hint: the next such check starts the doubling over).
+        self.calm = [0] * n
         self.checks = 0
         self.switches = 0
 
@@ -63,6 +73,7 @@ class PrefetchRule:
         """A fill of layer ``i`` through the mapping faulted: prefetch for `fault_s`."""
         self.fault_until[i] = time.monotonic() + self.fault_s
         self.quiet_until[i] = -float("inf")
+        self.calm[i] = -1  # the doubling starts over
 
     def _judge_cold(self, i: int, store: LocalTable, flat: np.ndarray, now: float) -> None:
         if now - self.at[i] >= self.recheck_s:
@@ -115,6 +126,8 @@ class PrefetchRule:
             or (self.was_mapped[i] and not store.resident_state())
         )
         if hint or on is None or now - self.at[i] >= self.recheck_s:
+            if hint:
+                self.calm[i] = -1
             self.at[i] = now
             decided = not self.rows_resident(store, flat)
             self.cold[i] = decided
@@ -127,7 +140,10 @@ class PrefetchRule:
         on = self.on[i]
         if on is not None and decided != on:
             self.switches += 1
+        calm = self.calm[i] = min(self.calm[i] + 1, CALM_MAX) if on is False and not decided else 0
         self.on[i] = decided
         self.was_mapped[i] = store.resident_state()
-        self.quiet_until[i] = -float("inf") if decided else self.at[i] + self.recheck_s
+        self.quiet_until[i] = (
+            -float("inf") if decided else self.at[i] + self.recheck_s * (1 << calm)
+        )
         return decided
