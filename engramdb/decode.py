@@ -55,9 +55,9 @@ class Decoder:
 
     The ``auto`` rule: `engramdb.read.autorule.PrefetchRule` (``rule``, its sample interval
     ``auto_recheck_s``, doubled up to 16x while an off layer stays resident; ``auto_checks``
-    / ``auto_switches``). Cold rows of a mapped table are
-    read by a `StepReader` (one ``O_DIRECT`` read per row, submitted at `push`), others by
-    the table's prefetcher; resident rows are gathered at `fill` (docs/workloads.md).
+    / ``auto_switches``). Cold rows of a mapped table are read by a `StepReader` (one
+    ``O_DIRECT`` read per row, submitted at `push`), others by the table's prefetcher;
+    resident rows are gathered at `fill` (docs/workloads.md).
 
     Every table must hold the hasher's ``table_rows`` for its layer; that is checked once here,
     so steps skip per-row bounds checks (keygen ids are in range by construction).

@@ -11,9 +11,9 @@ the last, up to `CALM_MAX` doublings (16 x ``recheck_s``): inside a model step a
 ~120 us, and every tenth step or so paid one. While off, a fill the read rule saw
 page-faulting (it leaves its mapped state or marks it suspect) makes the next push check at
 once and starts the doubling over (a slow gather on a busy machine then costs a check, not
-a switch). While the table's background warm reads it, prefetch stays on,
-from the device (a warm that starts while prefetch is off and the read rule is cleanly
-mapped is seen at the next recheck, or at once by a fill it makes fault). A fill through the
+a switch). While the table's background warm reads it, prefetch stays on, from the device
+(a warm that starts while prefetch is off and the read rule is cleanly mapped is seen at the
+next recheck, or at once by a fill it makes fault). A fill through the
 mapping that faulted (`faulted`) keeps prefetch on for ``fault_s`` where the rows are sampled
 cold (read from the device); resident rows, whose faults are minor (this mapping not
 populated yet), stay with the fills. ``prefetch=True`` always prefetches (still judging
