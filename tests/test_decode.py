@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -587,6 +589,21 @@ def test_layer_fills_of_a_step_buffer_take_the_quick_path(
             dec.fill(out, layer=5)
 
 
+@contextmanager
+def _resident_decoder(tmp_path: Path, recheck_s: float) -> Iterator[tuple[Any, Decoder, Any]]:
+    """A one-layer table built, opened without background warm, populated and served from
+    its mapping; a `Decoder` over it (``auto_recheck_s``) and a buffer for its fills."""
+    h = small_qwen()
+    build_for(tmp_path, h, 2, "ple", 5)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        s = db["ple"]
+        s.populate()
+        dec = Decoder(s, h, auto_recheck_s=recheck_s)
+        out = np.empty(dec.out_shape, np.uint8)
+        wait_mapped(s)
+        yield s, dec, out
+
+
 def test_a_faulting_fill_ends_the_rules_quiet_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -594,14 +611,7 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
     table nothing (the rule's quiet window) until a fill reports faults (`faulted`). The next
     push then looks again: rows still resident (minor faults: the fills keep them) start no
     prefetch; rows found cold (the table evicted) are read ahead."""
-    h = small_qwen()
-    build_for(tmp_path, h, 2, "ple", 5)
-    with engramdb.open(tmp_path, background_warm=False) as db:
-        s = db["ple"]
-        s.populate()
-        dec = Decoder(s, h, auto_recheck_s=3600.0)
-        out = np.empty(dec.out_shape, np.uint8)
-        wait_mapped(s)
+    with _resident_decoder(tmp_path, 3600.0) as (s, dec, out):
         dec.push(1)
         dec.fill(out)
         if dec.prefetched or not s.mapped_state():
@@ -631,15 +641,8 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
 def test_an_off_layers_rechecks_space_out_while_its_rows_stay_resident(tmp_path: Path) -> None:
     """A warm layer judged off is checked again after ``recheck_s``, then after twice that
     while each check finds its rows resident, up to 16 times; a fault starts it over."""
-    h = small_qwen()
-    build_for(tmp_path, h, 2, "ple", 5)
-    with engramdb.open(tmp_path, background_warm=False) as db:
-        s = db["ple"]
-        s.populate()
-        dec = Decoder(s, h, auto_recheck_s=0.02)
+    with _resident_decoder(tmp_path, 0.02) as (s, dec, out):
         rule = dec.rule
-        out = np.empty(dec.out_shape, np.uint8)
-        wait_mapped(s)
 
         def step(tok: int) -> float:
             """A push and fill once the layer's quiet window is over; the new window in

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -214,13 +216,38 @@ def test_wait_gap_holds_a_piece_that_would_overlap_the_next_batch() -> None:
     assert f.wait_gap(0.002, timeout=0.0)
 
 
+def _source_rows(rows: int) -> np.ndarray:
+    """The rows `_cold_db` builds its table from."""
+    return np.random.default_rng(5).integers(0, 256, (rows, ROW), dtype=np.uint8)
+
+
 def _cold_db(tmp_path: Path, rows: int) -> Path:
-    rng = np.random.default_rng(5)
-    data = rng.integers(0, 256, (rows, ROW), dtype=np.uint8)
-    engramdb.build(tmp_path, "t", ROW, [data])
+    engramdb.build(tmp_path, "t", ROW, [_source_rows(rows)])
     for p in tmp_path.rglob("*.edb"):
         evict(p)
     return tmp_path
+
+
+@contextmanager
+def _decode_loop(f: Foreground, waited: bool) -> Iterator[None]:
+    """A periodic foreground loop in a thread (1 ms reads every 4 ms; ``waited=False``:
+    prefetches) for the body of the ``with``, its rhythm learnt by ``f`` first."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with f.reading(waited=waited):
+                time.sleep(0.001)
+            time.sleep(0.003)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)  # the rhythm is learnt
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 @pytest.mark.parametrize("yield_on", [True, False])
@@ -238,39 +265,23 @@ def test_background_warm_reads_in_the_gaps_of_a_decode_loop(
     f = Foreground()
     monkeypatch.setattr("engramdb.io.tiers.FOREGROUND", f)
     path = _cold_db(tmp_path, 40_000)  # 6.4 MB
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            with f.reading(waited=waited):
-                time.sleep(0.001)
-            time.sleep(0.003)
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    try:
-        time.sleep(0.05)  # the rhythm is learnt
-        with engramdb.open(path, background_warm=False) as db:
-            s = db["t"]
-            w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
-            w.start()
-            assert w.wait(60)
-            assert w.state == "done"
-            assert s.residency() == 1.0
-            assert not w.top_up  # the whole table was missing
-            if yield_on:
-                assert w.gap_pieces >= 1  # read in 1 MiB pieces in the gaps
-                # paced only beside prefetches
-                assert (w.paced_pieces >= 1) if not waited else (w.paced_pieces == 0)
-            else:
-                assert w.gap_pieces == w.paced_pieces == 0
-            # the rows read back equal the source
-            ids = np.arange(0, 40_000, 997, dtype=np.int64)
-            got = s.fetch(ids)
-            assert np.array_equal(got, np.random.default_rng(5).integers(0, 256, (40_000, ROW), dtype=np.uint8)[ids])
-    finally:
-        stop.set()
-        t.join()
+    with _decode_loop(f, waited), engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
+        w.start()
+        assert w.wait(60)
+        assert w.state == "done"
+        assert s.residency() == 1.0
+        assert not w.top_up  # the whole table was missing
+        if yield_on:
+            assert w.gap_pieces >= 1  # read in 1 MiB pieces in the gaps
+            # paced only beside prefetches
+            assert (w.paced_pieces >= 1) if not waited else (w.paced_pieces == 0)
+        else:
+            assert w.gap_pieces == w.paced_pieces == 0
+        # the rows read back equal the source
+        ids = np.arange(0, 40_000, 997, dtype=np.int64)
+        assert np.array_equal(s.fetch(ids), _source_rows(40_000)[ids])
 
 
 @pytest.mark.parametrize("missing_kb", [0, 64, 256])
@@ -291,36 +302,20 @@ def test_a_pass_over_a_table_that_lost_a_little_reads_it_at_once(
             pass
     if missing_kb:
         evict(edb, offset=2 << 20, length=missing_kb << 10)
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            with f.reading(waited=False):
-                time.sleep(0.001)
-            time.sleep(0.003)
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    try:
-        time.sleep(0.05)  # the rhythm is learnt
-        with engramdb.open(path, background_warm=False) as db:
-            s = db["t"]
-            assert (s.residency() < 1.0) == bool(missing_kb)
-            w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
-            t0 = time.monotonic()
-            w.start()
-            assert w.wait(20)
-            assert (w.state, w.reason) == ("done", "")
-            assert w.top_up
-            assert w.gap_pieces == w.paced_pieces == 0
-            assert time.monotonic() - t0 < 10
-            assert s.residency() == 1.0
-            ids = np.arange(0, 40_000, 613, dtype=np.int64)
-            want = np.random.default_rng(5).integers(0, 256, (40_000, ROW), dtype=np.uint8)
-            assert np.array_equal(s.fetch(ids), want[ids])
-    finally:
-        stop.set()
-        t.join()
+    with _decode_loop(f, False), engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        assert (s.residency() < 1.0) == bool(missing_kb)
+        w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=2 << 20)
+        t0 = time.monotonic()
+        w.start()
+        assert w.wait(20)
+        assert (w.state, w.reason) == ("done", "")
+        assert w.top_up
+        assert w.gap_pieces == w.paced_pieces == 0
+        assert time.monotonic() - t0 < 10
+        assert s.residency() == 1.0
+        ids = np.arange(0, 40_000, 613, dtype=np.int64)
+        assert np.array_equal(s.fetch(ids), _source_rows(40_000)[ids])
 
 
 def test_decode_sized_cold_batches_count_as_foreground(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from engramdb.io.process_memory import (
     trim_mapped,
     unlock_range,
 )
-from engramdb.io.residency import resident_count, spread_pages
+from engramdb.io.residency import sampled_residency
 from engramdb.layouts.geometry import PAGE
 from engramdb.units import parse_size
 
@@ -258,10 +258,7 @@ class BackgroundWarm:
     def missing_estimate(self, samples: int = 1024) -> int:
         """Bytes of the pass's regions not in the page cache, estimated from ``samples``
         evenly spread pages (one ``mincore`` each: ~2 ms for 1024, whatever the size)."""
-        addrs = spread_pages(self.base, self.span, samples)
-        if not addrs:
-            return 0
-        return int(self.span * (1.0 - resident_count(addrs) / len(addrs)))
+        return int(self.span * (1.0 - sampled_residency(self.base, self.span, samples)))
 
     def _run(self) -> None:
         run_as_worker()
@@ -420,8 +417,7 @@ class MappedTiers:
     def sampled_residency(self, samples: int = 256) -> float:
         """Share of ``samples`` evenly spread pages of the table in the page cache (one
         ``mincore`` each: ~0.5 ms for 256, whatever the table's size)."""
-        addrs = spread_pages(self.base, self.length, samples)
-        return resident_count(addrs) / len(addrs) if addrs else 1.0
+        return sampled_residency(self.base, self.length, samples)
 
     def _fits(self) -> bool:
         """Whether the table's non-resident bytes fit the budget: no page looked at when the
