@@ -165,7 +165,8 @@ def parse_arm(arm: str) -> tuple[str, str, bool]:
         parts.remove("gpu")
     if parts[0] in ("warm", "cold", "warm+pop"):
         return parts[0], ":".join(parts[1:]), gpu
-    return "", ":".join(parts), gpu
+    kind = ":".join(parts)
+    return "", "twin" if kind == "ram:twin" else kind, gpu
 
 
 # -- setup (both sides) -----------------------------------------------------------------------
@@ -419,10 +420,12 @@ def child(args: argparse.Namespace) -> None:
         for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
             tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
-    else:
+    elif kind in ("module", "module+pf"):
         for lay in ENGRAM_AFTER:
             mods[lay] = DiskMultiHeadEmbedding(stores[lay])
             tables[lay] = e2e_gpu.staged_module(mods[lay], stager, lay) if gpu else mods[lay]
+    else:  # (a kind no branch knows must not fall through to another arm's tables)
+        raise SystemExit(f"unknown arm {args.child!r}")
     for lay, t in tables.items():
         model.set_table(lay, t)
     if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
@@ -529,6 +532,9 @@ def child(args: argparse.Namespace) -> None:
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
         pdoc["irq_cpus"] = sorted(irq_cpus)
         pdoc.update(arm_state(stores, dec, mods, kind))
+        # which memory held the tables: the A/A control holds two anonymous copies, an
+        # EngramDB arm one (the in-RAM side's) and its mapping's pages as file memory
+        pdoc.update(proc_status())
         pdoc["resident_after"] = float(
             np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER])
         )
@@ -1186,6 +1192,8 @@ def run_batch(
                 )
                 + "; resident at the end "
                 + " ".join(f"{p.get('resident_after', float('nan')):.1%}" for p in ps)
+                + "; process anon/file MB "
+                + " ".join(f"{p.get('RssAnon', 0):.0f}/{p.get('RssFile', 0):.0f}" for p in ps)
                 + "; background warm read (GB, paced) "
                 + " ".join(
                     "{:.2f} ({:.2f})".format(
