@@ -157,16 +157,30 @@ DEFAULT_GPU_ARMS = (
 )
 
 
+#: The decoder arms' kinds and their ``Decoder(prefetch=)``.
+DECODER_MODES: dict[str, Any] = {
+    "decoder": "auto",
+    "decoder:whole": "auto",
+    "decoder:on": True,
+    "decoder:off": False,
+}
+#: Every arm kind (``ram:twin`` is the kind ``twin``).
+KINDS = frozenset({"ram", "host", "twin", "module", "module+pf", *DECODER_MODES})
+
+
 def parse_arm(arm: str) -> tuple[str, str, bool]:
-    """``[state:][gpu:]kind`` -> (state, kind, on the GPU)."""
+    """``[state:][gpu:]kind`` -> (state, kind, on the GPU); an unknown kind exits naming it."""
     parts = arm.split(":")
     gpu = "gpu" in parts
     if gpu:
         parts.remove("gpu")
-    if parts[0] in ("warm", "cold", "warm+pop"):
-        return parts[0], ":".join(parts[1:]), gpu
-    kind = ":".join(parts)
-    return "", "twin" if kind == "ram:twin" else kind, gpu
+    state = parts[0] if parts[0] in ("warm", "cold", "warm+pop") else ""
+    kind = ":".join(parts[1:] if state else parts)
+    kind = "twin" if kind == "ram:twin" else kind
+    if kind not in KINDS:
+        known = sorted(KINDS - {"twin"} | {"ram:twin"})
+        raise SystemExit(f"unknown arm {arm!r} (kinds: {', '.join(known)})")
+    return state, kind, gpu
 
 
 # -- setup (both sides) -----------------------------------------------------------------------
@@ -413,19 +427,15 @@ def child(args: argparse.Namespace) -> None:
         if kind == "host" and not gpu:
             raise SystemExit("the host arm is a GPU arm (gpu:host)")
         tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
-    elif kind.startswith("decoder"):
-        modes = {"decoder": "auto", "decoder:whole": "auto", "decoder:on": True}
-        pf = modes[kind] if kind in modes else {"decoder:off": False}[kind]
-        dec = Decoder(stores, h, batch=b, prefetch=pf, compressed=True)
+    elif kind in DECODER_MODES:
+        dec = Decoder(stores, h, batch=b, prefetch=DECODER_MODES[kind], compressed=True)
         for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
             tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
-    elif kind in ("module", "module+pf"):
+    else:  # module, module+pf (`parse_arm` refuses any other kind)
         for lay in ENGRAM_AFTER:
             mods[lay] = DiskMultiHeadEmbedding(stores[lay])
             tables[lay] = e2e_gpu.staged_module(mods[lay], stager, lay) if gpu else mods[lay]
-    else:  # (a kind no branch knows must not fall through to another arm's tables)
-        raise SystemExit(f"unknown arm {args.child!r}")
     for lay, t in tables.items():
         model.set_table(lay, t)
     if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
@@ -1055,6 +1065,8 @@ def main() -> None:
     if arms and arms[0] != "ram":
         raise SystemExit("the first arm must be ram (the baseline)")
     gpu_arms = [a for a in args.gpu_arms.split(",") if a]
+    for a in arms + gpu_arms:  # an unknown arm exits here, before any table is built
+        parse_arm(a)
     if gpu_arms and gpu_arms[0] != "gpu:ram":
         raise SystemExit("the first GPU arm must be gpu:ram (the baseline)")
     if gpu_arms:
