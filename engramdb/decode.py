@@ -30,13 +30,15 @@ from engramdb.errors import InvalidArgument, RowIdOutOfRange, ShapeMismatch
 from engramdb.io.columns import grid_taker
 from engramdb.keygen.presets import preset_for_table, table_record
 from engramdb.read.autorule import PrefetchRule
-from engramdb.read.decode_fill import LayerReads, mapped_tables
+from engramdb.read.decode_fill import LayerReads, fill_slices, mapped_tables
 from engramdb.read.prefetch import DONE, QUEUED, Ticket, take_kept
 from engramdb.read.step_plan import RUNNING, StepTicket, grid_view
 from engramdb.read.steps import StepReader
 from engramdb.read.table import LocalTable
 from engramdb.table_api import RowTable
 from engramdb.validate import check_output, one_token
+
+_INT64 = np.dtype(np.int64)
 
 
 class Decoder:
@@ -161,14 +163,8 @@ class Decoder:
         self._local_ids: list[np.ndarray | None] = [None] * len(self.layers)
         self._local_fresh = [False] * len(self.layers)
         self._want_local = False
-        self._reads = LayerReads(
-            self.stores,
-            self._local,
-            self._tickets,
-            self.filled_rows,
-            self.filled_out,
-            self.row_bytes,
-        )
+        reads = (self.stores, self._local, self._tickets, self.filled_rows, self.filled_out)
+        self._reads = LayerReads(*reads, self.row_bytes)
         #: Layer fills served by one gather from the mapping into the buffer's slice
         #: (resident rows, not prefetched) / from the rows a prefetch read (kept on its
         #: ticket: no mapping, no page faults) / read here because their prefetch was still
@@ -241,9 +237,8 @@ class Decoder:
             self._tickets[i] = None
 
     def _flush(self, jobs: list[Any]) -> None:
-        """Start one step's reads of every layer at once (`StepReader.submit`); a step it
-        refuses (too many rows, a file system without O_DIRECT) goes to the tables'
-        prefetchers."""
+        """Start one step's reads of every layer at once (`StepReader.submit`); a step it refuses
+        (too many rows, a file system without O_DIRECT) goes to the tables' prefetchers."""
         if not jobs:
             return
         reader = self._reader
@@ -255,9 +250,8 @@ class Decoder:
                 self._tickets[i] = store.prefetcher.submit_trusted(flat, keep_rows=True)
 
     def __repr__(self) -> str:
-        tables = ", ".join(
-            f"{getattr(t, 'name', '?')}@{layer}" for layer, t in zip(self.layers, self.stores)
-        )
+        pairs = zip(self.layers, self.stores)
+        tables = ", ".join(f"{getattr(t, 'name', '?')}@{i}" for i, t in pairs)
         return (
             f"Decoder(preset={self.hasher.name or self.hasher.kind!r}, tables=[{tables}], "
             f"batch={self.batch}, prefetch={self.prefetch!r}, row_bytes={self.row_bytes})"
@@ -294,8 +288,10 @@ class Decoder:
         jobs: list[Any] = []
         rule, tickets, now = self.rule, self._tickets, time.monotonic()
         n = self.n_heads * (tok.size if type(tok) is np.ndarray else 1)
+        # checked once for every layer's compiled keygen step (`KeyStream.push_native`)
+        native = type(tok) is np.ndarray and tok.dtype is _INT64 and tok.flags.c_contiguous
         for i in range(len(self._streams)):
-            r = self._push_layer(i, tok, n)
+            r = self._push_layer(i, tok, n, native)
             if shape is not None:
                 r = r.reshape(shape)
             rows.append(r)
@@ -305,15 +301,18 @@ class Decoder:
         self._flush(jobs)
         return self._stepped(rows, pending_t)
 
-    def _push_layer(self, i: int, tok: Any, n: int) -> np.ndarray:
-        """Layer ``i``'s keygen push of ``tok`` (``n`` row ids), writing the layer's local
-        ids into `local_ids`' buffer too once they are wanted and the buffer holds ``n``
-        (a prefill's, or a step's after a prefill, does not: `local_ids` makes one)."""
+    def _push_layer(self, i: int, tok: Any, n: int, native: bool = False) -> np.ndarray:
+        """Layer ``i``'s keygen push of ``tok`` (``n`` row ids; ``native``: int64, C-contiguous),
+        writing its local ids into `local_ids`' buffer too once wanted and the buffer holds
+        ``n`` (a prefill's, or a step's after a prefill, does not: `local_ids` makes one)."""
         lo = self._local_ids[i] if self._want_local else None
         if lo is not None and lo.size != n:
             lo = None
-        self._local_fresh[i] = False
-        r = self._streams[i].push(tok, local_out=lo)
+        st = self._streams[i]
+        r = st.push_native(tok, lo) if native else None
+        if r is None:
+            self._local_fresh[i] = False
+            r = st.push(tok, local_out=lo)
         self._local_fresh[i] = lo is not None
         return r
 
@@ -345,16 +344,11 @@ class Decoder:
         return rows
 
     def _fill_step(
-        self,
-        out: np.ndarray,
-        rows: list[np.ndarray],
-        which: range | tuple[int, ...],
-        one: bool = False,
+        self, out: np.ndarray, rows: list[np.ndarray], which: range | tuple[int, ...], one: bool
     ) -> bool:
         """The step reader's fast path: the layers ``which`` of this step straight from the
         reader into their slices of ``out`` (all layers at once: one gather; ``one``: ``out``
-        holds one layer's rows), when the reader is reading each of them. False (nothing
-        written) otherwise."""
+        holds one layer's rows), when it reads each of them. False (nothing written) if not."""
         if self._step_out is out:
             return True  # every layer of this step is in this buffer already
         reader = self._reader
@@ -409,7 +403,7 @@ class Decoder:
             self._last_out, self._last_out2d = out, out.reshape(-1, self.row_bytes)
         out2d = self._last_out2d
         assert out2d is not None
-        if self._fill_step(out, [r], (0,)):
+        if self._fill_step(out, [r], (0,), False):
             return out
         self.filled_rows[0], self.filled_out[0] = r, out
         store = self._local[0]
@@ -444,15 +438,19 @@ class Decoder:
         then lie together, where its slice of a ``[B, L, H, rb]`` buffer is strided)."""
         rows = self._rows
         if type(layer) is int and self._step_out is None and self._pending_t is None:
-            # A step's one-layer fill of the buffer the last step filled (a warm decode's
-            # every fill), the table mapped and served from the mapping, no prefetch: one
-            # `_take_layer` after a few tests (inside a model step, each call costs several
-            # times its cost in a loop)
+            # A step's one-layer fill of the buffer the last step filled: a warm decode's
+            # (the mapping, no prefetch: one `_take_layer`) or a cold one's (`_fill_stepped`),
+            # after a few tests (inside a model step each costs several times its loop cost)
             j = self._slot_of.get(layer)
-            if j is not None and rows is not None and self._quick[j] is not None:
-                q = self._quick_dst[j]
-                if q is not None and q[0] is out and self._tickets[j] is None and self._mapped[j]():
-                    self._take_layer(j, rows[j], q)
+            if j is not None and rows is not None:
+                t = self._tickets[j]
+                if t is None:
+                    q = self._quick_dst[j]
+                    if q is not None and q[0] is out and self._quick[j] is not None:
+                        if self._mapped[j]():
+                            self._take_layer(j, rows[j], q)
+                            return out
+                elif type(t) is StepTicket and self._fill_stepped(j, t, rows[j], out):
                     return out
         if rows is None:
             raise InvalidArgument("fill() before push(): no pending step")
@@ -486,26 +484,30 @@ class Decoder:
         self.withdrawn_fills += withdrawn
         return out
 
+    def _fill_stepped(self, j: int, t: StepTicket, r: np.ndarray, out: np.ndarray) -> bool:
+        """Layer ``j``'s rows ``r`` (ticket ``t``) from the step reader into the buffer an
+        earlier step's `_fill_step` cut (`StepReader.finish_fast`); False: nothing written."""
+        dk = self._dest_keys.get(j)
+        reader = self._reader
+        if dk is None or dk[0] is not out or dk[1] is not None or t.reader is not reader:
+            return False
+        if not reader.finish_fast(dk[3], t):  # type: ignore[union-attr]
+            return False
+        self._tickets[j] = None
+        self.filled_rows[j], self.filled_out[j] = r, out
+        self.kept_fills += 1
+        return True
+
     def _key(self, out: Any) -> tuple[Any, ...]:
         """Check ``out`` for the pending fill (`pending_shape`, or `layer_shape`: a buffer of
         one layer's rows) and keep, per layer, its slice shaped like the rows + ``(rb,)``, its
         ``[N, H * rb]`` view, and its destination for `_take_layer` (``out``, the slice, its
         byte offset, the stride between groups of ``H`` rows): ``(out, pending, slices, one
         layer's buffer, destinations, views)``, looked up by ``id(out)`` at the next fill."""
-        n, hr = len(self.stores), self.n_heads * self.row_bytes
-        one = n > 1 and getattr(out, "ndim", 0) == len(self.layer_shape)  # one layer's buffer
-        if one:
-            check_output(out, self.layer_shape)
-            shaped, views = [out] * n, [out.reshape(-1, hr)] * n
-            dsts = [(out, out, 0, hr)] * n
-        else:
-            check_output(out, self.pending_shape)
-            # ``out``'s slice of layer i of ``[..., L, H, rb]`` (strided with several layers)
-            lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
-            shaped = [out] if n == 1 else [out[lead + (i,)] for i in range(n)]
-            o = out.reshape(-1, n, hr)
-            views = [o[:, i] for i in range(n)]
-            dsts = [(out, shaped[i], i * hr, n * hr) for i in range(n)]
+        n = len(self.stores)
+        one, shaped, dsts, views = fill_slices(
+            out, n, self.n_heads * self.row_bytes, self.layer_shape, self.pending_shape
+        )
         if len(self._fill_keys) > 2 * n + 2:  # buffers made anew each step: keep a few
             self._fill_keys.clear()
         key = self._fill_keys[id(out)] = (out, self._pending_t, shaped, one, dsts, views)
@@ -540,11 +542,7 @@ class Decoder:
             self.rule.faulted(i)
 
     def _fill_direct(
-        self,
-        out: np.ndarray,
-        rows: list[np.ndarray],
-        which: range | tuple[int],
-        key: tuple[Any, ...],
+        self, out: np.ndarray, rows: list[np.ndarray], which: range | tuple[int], key: Any
     ) -> bool:
         """The resident fast path of `fill`: each layer's rows in one gather (`_take_layer`)
         from the mapping into its (possibly strided) slice of ``out``, when every layer asked

@@ -344,3 +344,40 @@ def test_a_decode_step_out_of_range_raises_and_changes_nothing(bad: int) -> None
     ref = h.stream(layer=h.layers[0], compressed=True)
     want = ref.push(np.array([[3, 4, 7, 9], [5, 6, 8, 10]]))[:, -1:]
     assert np.array_equal(nxt, want) and st.native_steps == 2
+
+
+@built
+@pytest.mark.parametrize(("name", "h", "compressed", "bound"), KINDS, ids=[k[0] for k in KINDS])
+def test_push_native_equals_push_and_declines_without_moving(
+    name: str, h: keygen.Hasher, compressed: bool, bound: int
+) -> None:
+    """`KeyStream.push_native` (the decoder's keygen call, its checks done by the caller):
+    rows and local ids equal `push`'s on a twin stream; None, the stream unmoved, before a
+    batch is bound, for a shape other than `native_shape`, for an id outside the
+    vocabulary (which `push` then raises), and for a kind without a compiled step."""
+    rng = np.random.default_rng(3)
+    b, layer = 3, h.layers[-1]
+    toks = rng.integers(0, bound, (b, 12))
+    a = h.stream(layer=layer, compressed=compressed)
+    ref = h.stream(layer=layer, compressed=compressed)
+    assert a.push_native(np.ascontiguousarray(toks[:, :1]), None) is None and a.position == 0
+    a.push(toks[:, :4])
+    ref.push(toks[:, :4])
+    if name == "qwen":  # no compiled decode step for this kind: the decoder calls `push`
+        assert a.native_shape == () and a.push_native(toks[:, 4:5].copy(), None) is None
+        return
+    assert a.native_shape == (b, 1)
+    assert a.push_native(np.ascontiguousarray(toks[:, 4:6]), None) is None and a.position == 4
+    lo, lo_ref = np.empty((2, b, a.n_heads), np.int64)
+    for t in range(4, 12):
+        tok = np.ascontiguousarray(toks[:, t : t + 1])
+        got = a.push_native(tok, lo)
+        want = ref.push(tok, local_out=lo_ref)
+        assert got is not None and np.array_equal(got, want) and np.array_equal(lo, lo_ref)
+    assert a.position == ref.position == 12 and a.native_steps == 8
+    before = a.history
+    bad = np.array([[1], [bound], [2]], np.int64)
+    assert a.push_native(bad, None) is None and a.position == 12
+    assert all(np.array_equal(x, y) for x, y in zip(a.history, before))
+    with pytest.raises(TokenIdOutOfRange, match=str(bound)):
+        a.push(bad)

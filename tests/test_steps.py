@@ -245,6 +245,47 @@ def test_finish_into_writes_a_strided_destination_per_ticket(
         reader.close()
 
 
+def test_a_ticket_whose_reads_are_in_is_served_by_the_fast_path(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """`StepReader.finish_fast` (a decode step's per-layer fill): it routes the completions
+    in the ring and, once every read of the ticket is in and whole, copies its rows into the
+    destination and ends it done; it declines, writing nothing, while the ticket's reads are
+    not all routed, for a ticket already collected, and for another reader's ticket. The
+    step's reads are counted on their table once."""
+    full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 160, [full], rows_per_badge=128)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        st = db["t"]
+        evict(tmp_path / st.info.shards[0].path)
+        reader, other = _reader(True), StepReader()
+        a = rng.integers(0, 4000, (3, 8)).astype(np.int64)
+        b = rng.integers(0, 4000, (3, 8)).astype(np.int64)
+        ta, tb = StepTicket(a), StepTicket(b)
+        assert reader.submit([(st, a, ta), (st, b, tb)])
+        ring = reader._ring
+        assert ring is not None
+        end = time.monotonic() + 10
+        while (int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF < 48:
+            assert time.monotonic() < end, "the step's reads did not come in"
+            time.sleep(0.001)
+        out = np.zeros((3, 2, 8, 160), np.uint8)  # [B, L, H, rb]
+        dests = [grid_view(out, (3,), 2, 8, reader.step_unit, i) for i in (0, 1)]
+        route = reader._route_fn
+        reader._route_fn = lambda *args: 0  # completions not routed yet: counts stay short
+        assert not reader.finish_fast(dests[0], ta) and ta.state == "running"
+        assert not out.any()
+        reader._route_fn = route
+        assert not other.finish_fast(dests[0], ta)
+        assert reader.finish_fast(dests[0], ta) and ta.state == "done"
+        assert not reader.finish_fast(dests[0], ta)  # collected
+        assert reader.finish_fast(dests[1], tb) and tb.state == "done"
+        assert np.array_equal(out[:, 0], full[a]) and np.array_equal(out[:, 1], full[b])
+        assert st.counters()["step_rows"] == 48
+        reader.close()
+        other.close()
+
+
 @pytest.mark.parametrize("rows_bytes", [(3, 320), (40, 320), (300, 128), (64, 960)])
 def test_copy_out_puts_every_row_of_a_step_into_a_strided_grid(
     rng: np.random.Generator, rows_bytes: tuple[int, int]

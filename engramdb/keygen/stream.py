@@ -189,6 +189,33 @@ class KeyStream:
                 np.subtract(rows, self._lt.offsets, out=dst)
         return rows
 
+    def push_native(self, token_ids: np.ndarray, local_out: np.ndarray | None) -> np.ndarray | None:
+        """`push` of one position per sequence by the compiled step alone, for a caller that
+        checked ``token_ids`` itself (int64, C-contiguous, of the bound batch's shape + ``(1,)``:
+        `native_shape`) and gives its own ``local_out`` (C-contiguous int64 of as many ids; the
+        compiled step checks its layout) or None. Returns None, with nothing advanced or
+        written, where no compiled step is bound or an id lies outside the vocabulary: `push`
+        then serves (and raises)."""
+        step = self._native
+        if step is None or token_ids.shape != self._native_in:
+            return None
+        rows = np.empty(self._native_out, dtype=np.int64)
+        try:
+            done = step(token_ids, self._np_ids, self._np_bar, rows, local_out) < 0
+        except (ValueError, BufferError):
+            return None
+        if not done:
+            return None
+        self.position += 1
+        self.native_steps += 1
+        kernel_stats["native_positions"] += token_ids.size
+        return rows
+
+    @property
+    def native_shape(self) -> tuple[int, ...]:
+        """The token shape `push_native` takes (``()``: no compiled step bound yet)."""
+        return self._native_in
+
     def _fits(self, out: Any, positions: int) -> bool:
         """Whether ``out`` can take the local ids of ``positions`` positions."""
         return (

@@ -10,8 +10,9 @@ import numpy as np
 
 from engramdb.errors import EngramDBError
 from engramdb.read.prefetch import take_kept
+from engramdb.validate import check_output
 
-__all__ = ["LayerReads", "mapped_tables"]
+__all__ = ["LayerReads", "fill_slices", "mapped_tables"]
 
 
 def mapped_tables(local: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
@@ -33,6 +34,27 @@ def mapped_tables(local: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         fd, size = (st.array_guard() if tbl is not None else None) or (-1, 0)
         quick.append(None if tbl is None else (tbl, fd, size))
     return direct, mapped, quick
+
+
+def fill_slices(
+    out: Any, n: int, hr: int, layer_shape: tuple[int, ...], pending_shape: tuple[int, ...]
+) -> tuple[bool, list[Any], list[Any], list[Any]]:
+    """A decoder's fill buffer ``out`` checked (`pending_shape`, or `layer_shape`: a buffer
+    of one layer's rows, where ``n`` > 1 layers) and cut per layer: whether it is one layer's,
+    each layer's slice shaped like its rows + ``(rb,)``, its destination for the compiled
+    gather (``out``, the slice, its byte offset, the stride between groups of ``H`` rows of
+    ``hr`` bytes) and its ``[N, H * rb]`` view."""
+    one = n > 1 and getattr(out, "ndim", 0) == len(layer_shape)
+    if one:
+        check_output(out, layer_shape)
+        return True, [out] * n, [(out, out, 0, hr)] * n, [out.reshape(-1, hr)] * n
+    check_output(out, pending_shape)
+    # ``out``'s slice of layer i of ``[..., L, H, rb]`` (strided with several layers)
+    lead: tuple[Any, ...] = (slice(None),) * (out.ndim - 3)
+    shaped = [out] if n == 1 else [out[lead + (i,)] for i in range(n)]
+    o = out.reshape(-1, n, hr)
+    views = [o[:, i] for i in range(n)]
+    return False, shaped, [(out, shaped[i], i * hr, n * hr) for i in range(n)], views
 
 
 class LayerReads:

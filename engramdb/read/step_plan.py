@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import errno as _errno
 import math
+import mmap
 import os
 import stat
 from typing import Protocol
 
 import numpy as np
 
-from engramdb.io.base import read_error
-from engramdb.io.uring_ring import open_direct
+from engramdb.errors import TruncatedFile
+from engramdb.io.base import fd_path, read_error
+from engramdb.io.uring_ring import (
+    IORING_ENTER_GETEVENTS,
+    IORING_ENTER_SQ_WAKEUP,
+    Ring,
+    enter,
+    open_direct,
+)
 from engramdb.layouts.geometry import PAGE
 
 __all__ = [
@@ -30,9 +38,12 @@ __all__ = [
     "direct_layout",
     "grid_view",
     "plan_spans",
+    "release",
+    "reread",
     "staged",
     "stride",
     "take_step",
+    "wait_ring",
 ]
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
@@ -61,7 +72,7 @@ class StepTicket:
     ``ids[k]`` (request order: ``uids`` is None). `cancel` never withdraws (returns False):
     the reads are in flight, and waiting for them beats reading the rows again."""
 
-    __slots__ = ("ids", "rows", "uids", "state", "error", "reader", "lo", "hi", "store")
+    __slots__ = ("ids", "rows", "uids", "state", "error", "reader", "lo", "hi", "k", "store")
 
     def __init__(self, ids: np.ndarray):
         self.ids = ids
@@ -71,6 +82,7 @@ class StepTicket:
         self.error: BaseException | None = None
         self.reader: Collector | None = None
         self.lo = self.hi = 0  # its requests in the reader's current step
+        self.k = 0  # its place among the step's tickets
         self.store: StepTable | None = None
 
     def done(self) -> bool:
@@ -268,3 +280,63 @@ def _direct_fd(fd: int, direct: list[int]) -> tuple[int, int]:
     if align > PAGE:  # never seen; the staging layout assumes at most a page
         return -1, 0
     return dfd, align
+
+
+def reread(
+    buf: np.ndarray, got: np.ndarray, store: StepTable, plan: Plan, bad: np.ndarray
+) -> tuple[BaseException | None, int]:
+    """The step's requests ``bad`` whose read came back short or interrupted (``got``: each
+    request's result) read again with ``pread`` into their place in the staging buffer
+    ``buf`` (a loop over those rows only: never expected of a healthy file). Returns the
+    error to raise where that fails (`TruncatedFile` where the file now ends before the row,
+    a `ReadError` naming the file and offset otherwise; else None) and the rows read again."""
+    rb = plan.rb
+    done = 0
+    for i in bad.tolist():
+        fd, off, res = int(plan.src_fd[i]), int(plan.off[i]), int(got[i])
+        if res >= off + rb - int(plan.tmp[i]):
+            continue  # the span met the end of the file after the row: the row is whole
+        if res < 0 and -res not in (_errno.EAGAIN, _errno.EINTR):
+            return read_error(-res, fd, off), done
+        try:
+            data = os.pread(fd, rb, off)
+        except OSError as e:
+            return read_error(e.errno or _errno.EIO, fd, off), done
+        if len(data) < rb:
+            return TruncatedFile(
+                f"table {store.name!r}: a row of {rb} B at offset {off} of {fd_path(fd)} "
+                "lies past the end of the file (it is shorter than when opened)"
+            ), done
+        p = int(plan.slot[i] + (off - int(plan.tmp[i])))
+        buf[p : p + rb] = np.frombuffer(data, np.uint8)
+        done += 1
+    return None, done
+
+
+def wait_ring(ring: Ring, count: int, hold: int = 0) -> int:
+    """Wait for ``count`` more completions of a step reader's ``ring`` (the GIL released
+    meanwhile), waking a polling thread gone to sleep, or submitting the entries a
+    `Submitter` has not yet but the last ``hold`` (later layers', left to it);
+    ``io_uring_enter``'s result."""
+    if ring.sqpoll:
+        return enter(ring.fd, 0, count, IORING_ENTER_GETEVENTS | IORING_ENTER_SQ_WAKEUP)
+    return enter(ring.fd, max(0, ring.unsubmitted() - hold), count, IORING_ENTER_GETEVENTS)
+
+
+def release(direct: list[int], owned: list[object]) -> None:
+    """A step reader's resources, at its close or collection: ``owned`` its ring and its
+    staging mapping, ``direct`` the ``O_DIRECT`` descriptors it opened (closed, emptied)."""
+    ring, m = owned[0], owned[1]
+    if isinstance(ring, Ring):
+        ring.close()  # the kernel finishes or cancels what is in flight; pinned pages stay
+    if isinstance(m, mmap.mmap):
+        try:
+            m.close()
+        except BufferError:
+            pass
+    for dfd in direct:
+        try:
+            os.close(dfd)
+        except OSError:
+            pass
+    direct.clear()

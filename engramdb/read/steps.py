@@ -47,23 +47,18 @@ from __future__ import annotations
 
 import errno as _errno
 import mmap
-import os
 import weakref
 
 import numpy as np
 
-from engramdb.errors import TruncatedFile
-from engramdb.io.base import fd_path, read_error
+from engramdb.io.base import read_error
 from engramdb.io.foreground import FOREGROUND
 from engramdb.io.mapping import prefault
 from engramdb.io.sqpoll import polled_ring, step_compiled, submit_pushed
 from engramdb.io.uring import IoUringBackend
 from engramdb.io.uring_ring import (
     CQE_DTYPE,
-    IORING_ENTER_GETEVENTS,
-    IORING_ENTER_SQ_WAKEUP,
     Ring,
-    enter,
 )
 from engramdb.layouts.geometry import PAGE
 from engramdb.read import read_order
@@ -78,9 +73,12 @@ from engramdb.read.step_plan import (
     StepTicket,
     direct_layout,
     plan_spans,
+    release,
+    reread,
     staged,
     stride,
     take_step,
+    wait_ring,
 )
 
 __all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
@@ -133,7 +131,7 @@ class StepReader:
         self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
         self._take_fn = (CQE_DTYPE.itemsize == 16 and step_compiled("take_step")) or take_step
         self._owned: list[object] = [None, None]  # the ring and the staging mapping
-        self._finalizer = weakref.finalize(self, _release, self._direct, self._owned)
+        self._finalizer = weakref.finalize(self, release, self._direct, self._owned)
 
     @staticmethod
     def available() -> bool:
@@ -161,6 +159,8 @@ class StepReader:
         n = sum(sizes)
         buf = self._buffer(n * stride(lays[0].row_bytes, max(lay.align for lay in lays)))
         plan = Plan(lays, sizes, int(buf.ctypes.data))
+        if self._got.size < n:  # each request's result, for any plan made so far
+            self._got = np.empty(max(n, 256), np.int64)
         if len(self._plans) >= 16:  # a few shapes repeat (steps, prefills): keep it bounded
             self._plans.clear()
         self._plans[key] = plan
@@ -254,8 +254,6 @@ class StepReader:
             st["off"] = plan.tmp
             st["len"] = plan.span
             ring.push(n)
-        if self._got.size < n:
-            self._got = np.empty(max(n, 256), np.int64)
         self._checked = self._routed = False  # (`_counts` is zeroed by the first route)
         self._error = None
         if self._ready:
@@ -266,8 +264,9 @@ class StepReader:
         self._left = n
         lo = 0
         tickets = []
-        for store, ids_i, t in jobs:
-            t.reader, t.store, t.lo, t.hi, t.state = self, store, lo, lo + ids_i.size, RUNNING
+        for k, (store, ids_i, t) in enumerate(jobs):
+            t.reader, t.store, t.lo, t.hi, t.k = self, store, lo, lo + ids_i.size, k
+            t.state = RUNNING
             lo = t.hi
             tickets.append(t)
             if id(store) not in self._warmed:
@@ -321,7 +320,7 @@ class StepReader:
         take, left = self._take_fn, self._left
         r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
         if r == 0:  # not all in: wait for the rest
-            _wait(ring, left - ((int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF))
+            wait_ring(ring, left - ((int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF))
             r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
         if r != 1:
             return False
@@ -337,7 +336,7 @@ class StepReader:
         self._step_counts()
         n = self._route(ring, plan)
         if n == 0 and wait:
-            r = _wait(ring, 1, hold)
+            r = wait_ring(ring, 1, hold)
             if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
                 raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
             n = self._route(ring, plan)
@@ -403,6 +402,8 @@ class StepReader:
         if t is not None:  # (no generator: a call of its own in this Python)
             if t.state != RUNNING:
                 return False
+            if self.finish_fast(dest, t):
+                return True
             tickets = [t]
         else:
             tickets = self._tickets
@@ -431,6 +432,62 @@ class StepReader:
         for tk in tickets:
             tk.state = DONE  # their rows went to the engine's buffer
         return True
+
+    def finish_fast(self, dest: np.ndarray, t: StepTicket) -> bool:
+        """`finish_into` of ticket ``t`` in its steady state, in a few statements: the
+        completions in the ring routed to their tickets by one compiled pass, and where
+        each of ``t``'s reads is in and whole, its rows copied by another. False (nothing
+        written) where that does not hold: `finish_into` waits, checks and copies the long
+        way (from the routed counts)."""
+        copy, route = self._copy_fn, self._route_fn
+        if copy is None or route is None or t.state != RUNNING or t.reader is not self:
+            return False
+        plan = self._plan
+        assert plan is not None
+        if self._checked:
+            if self._error is not None:
+                return False
+        else:
+            if self._ordered:  # rows consumed: this thread's burst ends (`read_order`)
+                read_order.end()
+                self._ordered = False
+            if self._left:
+                ring = self._ring
+                assert ring is not None
+                counts = self._step_counts()
+                n = route(
+                    ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, counts,
+                    self._sums,
+                )  # fmt: skip
+                self._left -= n
+                self._routed = True
+            k = t.k
+            # every read of the ticket in, and whole: their results' sum is its spans'
+            if self._counts[k] != t.hi - t.lo or self._sums[k] != plan.part_span[k]:
+                return False
+            if not self._left:
+                self._checked = True
+                self._error = None
+                self._note_reads(plan)
+        try:
+            copy(dest, self._buf, plan.slot, plan.ip, t.lo)
+        except (ValueError, BufferError, TypeError):  # an unusual destination
+            return False
+        t.state = DONE
+        return True
+
+    def _note_reads(self, plan: Plan) -> list[int] | None:
+        """The step's reads counted on their tables (`note_step_read`); each ticket's
+        device bytes where the step has several (None: one)."""
+        tickets = self._tickets
+        if len(tickets) == 1:
+            tickets[0].store.note_step_read(plan.n, plan.span_total)  # type: ignore[union-attr]
+            return None
+        parts = plan.part_span.tolist()
+        for t, part in zip(tickets, parts):
+            if t.store is not None:
+                t.store.note_step_read(t.hi - t.lo, part)
+        return parts  # type: ignore[no-any-return]
 
     def _checked_plan(self, t: StepTicket | None = None) -> Plan | None:
         """The step's plan once the reads of ticket ``t`` (None: the whole step) are reaped
@@ -493,15 +550,7 @@ class StepReader:
         assert plan is not None
         n = plan.n
         self._error = None
-        tickets = self._tickets
-        parts = None
-        if len(tickets) == 1:
-            tickets[0].store.note_step_read(n, plan.span_total)  # type: ignore[union-attr]
-        else:
-            parts = plan.part_span.tolist()
-            for t, part in zip(tickets, parts):
-                if t.store is not None:
-                    t.store.note_step_read(t.hi - t.lo, part)
+        parts = self._note_reads(plan)
         # not `fast`: each completion was routed into its ticket's sum (numpy's sum: ~30 us)
         if not fast and self._sums.tolist() != (parts or plan.part_span.tolist()):
             got, span = self._got[:n], plan.span
@@ -520,32 +569,11 @@ class StepReader:
         raise AssertionError(i)  # pragma: no cover - every request belongs to a ticket
 
     def _reread(self, store: StepTable, plan: Plan, bad: np.ndarray) -> BaseException | None:
-        """Rows whose read came back short or interrupted, read again with ``pread`` into
-        their place (a loop over those rows only: never expected of a healthy file); the
-        error to raise when that fails: `TruncatedFile` where the file now ends before the
-        row, a `ReadError` naming the file and offset otherwise."""
-        buf = self._buf
-        assert buf is not None
-        rb = plan.rb
-        for i in bad.tolist():
-            fd, off, res = int(plan.src_fd[i]), int(plan.off[i]), int(self._got[i])
-            if res >= off + rb - int(plan.tmp[i]):
-                continue  # the span met the end of the file after the row: the row is whole
-            if res < 0 and -res not in (_errno.EAGAIN, _errno.EINTR):
-                return read_error(-res, fd, off)
-            try:
-                data = os.pread(fd, rb, off)
-            except OSError as e:
-                return read_error(e.errno or _errno.EIO, fd, off)
-            if len(data) < rb:
-                return TruncatedFile(
-                    f"table {store.name!r}: a row of {rb} B at offset {off} of {fd_path(fd)} "
-                    "lies past the end of the file (it is shorter than when opened)"
-                )
-            p = int(plan.slot[i] + (off - int(plan.tmp[i])))
-            buf[p : p + rb] = np.frombuffer(data, np.uint8)
-            self.retried += 1
-        return None
+        """`reread` of the requests ``bad`` into the staging buffer (counted in `retried`)."""
+        assert self._buf is not None
+        err, done = reread(self._buf, self._got, store, plan, bad)
+        self.retried += done
+        return err
 
     def drain(self) -> None:
         """Wait for every read of the current step (tickets not collected end cancelled)."""
@@ -568,29 +596,3 @@ class StepReader:
             self._buf = None
             self._map = None
             self._plans.clear()
-
-
-def _wait(ring: Ring, count: int, hold: int = 0) -> int:
-    """Wait for ``count`` more completions (the GIL released meanwhile), waking a polling
-    thread gone to sleep, or submitting the entries a `Submitter` has not yet but the last
-    ``hold`` (later layers', left to it); ``io_uring_enter``'s result."""
-    if ring.sqpoll:
-        return enter(ring.fd, 0, count, IORING_ENTER_GETEVENTS | IORING_ENTER_SQ_WAKEUP)
-    return enter(ring.fd, max(0, ring.unsubmitted() - hold), count, IORING_ENTER_GETEVENTS)
-
-
-def _release(direct: list[int], owned: list[object]) -> None:
-    ring, m = owned[0], owned[1]
-    if isinstance(ring, Ring):
-        ring.close()  # the kernel finishes or cancels what is in flight; pinned pages stay
-    if isinstance(m, mmap.mmap):
-        try:
-            m.close()
-        except BufferError:
-            pass
-    for dfd in direct:
-        try:
-            os.close(dfd)
-        except OSError:
-            pass
-    direct.clear()
