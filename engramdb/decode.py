@@ -487,7 +487,7 @@ class Decoder:
     def _fill_stepped(self, j: int, t: StepTicket, r: np.ndarray, out: np.ndarray) -> bool:
         """Layer ``j``'s rows ``r`` (ticket ``t``) from the step reader into the buffer an
         earlier step's `_fill_step` cut (`StepReader.finish_fast`); False: nothing written."""
-        dk = self._dest_keys.get(j)
+        dk = self._dest_keys.get(j)  # (the compiled copy takes any unit: not compared)
         reader = self._reader
         if dk is None or dk[0] is not out or dk[1] is not None or t.reader is not reader:
             return False

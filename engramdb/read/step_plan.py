@@ -1,7 +1,8 @@
 """The step reader's per-step bookkeeping: the tables as it sees them (and the ``O_DIRECT``
-descriptors of their files), the plan of a step shape, and the tickets a decoder waits on
-(`engramdb.read.steps` reads; this module only describes). Kept apart so the reader's
-module stays a read path."""
+descriptors of their files), the plan of a step shape, the tickets a decoder waits on, and
+the helpers that need none of the reader's own state (rows read again after a short read,
+the wait on its ring, its release). `engramdb.read.steps` reads; kept apart so the reader's
+module stays its read path."""
 
 from __future__ import annotations
 
