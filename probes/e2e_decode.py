@@ -50,6 +50,9 @@ started by its first cold read or prefetch, or by its first faulting mapped read
   ``decoder:on`` / ``decoder:off`` force prefetch; ``decoder:whole`` fills each layer's
   slice of one step buffer ``[B, L, H, rb]`` instead (strided slices for B > 1).
 
+An arm with a ``nowarm`` part (``cold:nowarm:decoder``) opens its database with
+``background_warm=False``: the background warm's cost beside the default, in one run.
+
 **GPU arms** (issue 18 item 6; probes/e2e_gpu.py), run after the CPU arms where a CUDA device
 is present (otherwise skipped with the reason printed): the same model on the GPU, sized by
 ``--gpu-hidden`` / ``--gpu-blocks`` (f32, default 4096 x 16 blocks: 8.6 GB of weights, a
@@ -169,8 +172,9 @@ KINDS = frozenset({"ram", "host", "twin", "module", "module+pf", *DECODER_MODES}
 
 
 def parse_arm(arm: str) -> tuple[str, str, bool]:
-    """``[state:][gpu:]kind`` -> (state, kind, on the GPU); an unknown kind exits naming it."""
-    parts = arm.split(":")
+    """``[state:][nowarm:][gpu:]kind`` -> (state, kind, on the GPU); an unknown kind exits
+    naming it (``nowarm``: `background_warm`)."""
+    parts = [p for p in arm.split(":") if p != "nowarm"]
     gpu = "gpu" in parts
     if gpu:
         parts.remove("gpu")
@@ -181,6 +185,12 @@ def parse_arm(arm: str) -> tuple[str, str, bool]:
         known = sorted(KINDS - {"twin"} | {"ram:twin"})
         raise SystemExit(f"unknown arm {arm!r} (kinds: {', '.join(known)})")
     return state, kind, gpu
+
+
+def background_warm(arm: str, args: argparse.Namespace) -> bool:
+    """Whether the arm's process opens the database with the background warm (the library's
+    default): not under ``--no-background-warm``, nor for an arm with a ``nowarm`` part."""
+    return not args.no_background_warm and "nowarm" not in arm.split(":")
 
 
 # -- setup (both sides) -----------------------------------------------------------------------
@@ -416,7 +426,7 @@ def child(args: argparse.Namespace) -> None:
         resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
     # The library default: a table that fits is warmed in the background by its first cold
     # read (or its first faulting mapped read); --no-background-warm measures without it.
-    db = engramdb.open(root / "db", background_warm=not args.no_background_warm)
+    db = engramdb.open(root / "db", background_warm=background_warm(args.child, args))
     stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
     dec = None
     mods: dict[int, Any] = {}  # EngramDB's modules (prefetch calls, counters)
