@@ -290,6 +290,37 @@ def test_a_ticket_whose_reads_are_in_is_served_by_the_fast_path(
         other.close()
 
 
+def test_a_hand_over_before_the_submitter_loop_starts_is_submitted(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new ring's submitter thread may reach its loop after the engine's first hand-over
+    (here held back 0.2 s): the loop still submits those entries, with nothing else asking
+    (no wait, no later step)."""
+    from engramdb.io import sqpoll
+
+    if not sqpoll.submitter_state()[0] or os.environ.get(sqpoll.SQPOLL_ENV, "") == "1":
+        pytest.skip("no submitter thread here")
+    start = sqpoll.run_as_worker
+    monkeypatch.setattr(sqpoll, "run_as_worker", lambda: (time.sleep(0.2), start()))
+    full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "t", 160, [full], rows_per_badge=128)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        st = db["t"]
+        reader = StepReader()
+        ids = rng.integers(0, 4000, 24).astype(np.int64)
+        t = StepTicket(ids)
+        assert reader.submit([(st, ids, t)])
+        ring = reader._ring
+        assert ring is not None and ring.wake is not None
+        end = time.monotonic() + 5
+        while (int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF < 24:
+            assert time.monotonic() < end, f"{ring.unsubmitted()} entries never submitted"
+            time.sleep(0.005)
+        t.wait()
+        assert t.rows is not None and np.array_equal(t.rows, full[ids])
+        reader.close()
+
+
 @pytest.mark.parametrize("rows_bytes", [(3, 320), (40, 320), (300, 128), (64, 960)])
 def test_copy_out_puts_every_row_of_a_step_into_a_strided_grid(
     rng: np.random.Generator, rows_bytes: tuple[int, int]

@@ -187,7 +187,9 @@ static PyObject *run(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     /* timed sleeps end when asked (the default slack of 50 us is a napping watch's length) */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-    int64_t done = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
+    /* the words start at 0: anything handed over before this loop first looks (the engine
+     * may notify before the new thread gets here) is still to submit */
+    int64_t done = 0;
     int64_t last = 0, period = 0, dev = 0;
     for (;;) {
         int64_t p = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
