@@ -486,12 +486,15 @@ class Decoder:
 
     def _fill_stepped(self, j: int, t: StepTicket, r: np.ndarray, out: np.ndarray) -> bool:
         """Layer ``j``'s rows ``r`` (ticket ``t``) from the step reader into the buffer an
-        earlier step's `_fill_step` cut (`StepReader.finish_fast`); False: nothing written."""
-        dk = self._dest_keys.get(j)  # (the compiled copy takes any unit: not compared)
+        earlier step's `_fill_step` cut (`StepReader.finish_into`: its compiled steady state
+        first); False: nothing written."""
+        dk = self._dest_keys.get(j)
         reader = self._reader
-        if dk is None or dk[0] is not out or dk[1] is not None or t.reader is not reader:
+        if dk is None or dk[0] is not out or dk[1] is not None or reader is None:
             return False
-        if not reader.finish_fast(dk[3], t):  # type: ignore[union-attr]
+        if t.reader is not reader or dk[2] != reader.step_unit:
+            return False
+        if not reader.finish_into(dk[3], t):
             return False
         self._tickets[j] = None
         self.filled_rows[j], self.filled_out[j] = r, out
