@@ -68,7 +68,10 @@ code on the CPU to check the plumbing (not a measurement).
 ``--paired`` also runs each arm in a process of its own beside the in-RAM tables, 8-step
 blocks alternating (ram, arm, arm, ram, ...); the summary pools the reps' blocks into one
 ratio with a 95 % bootstrap interval. ``--paired-only`` skips the separate unpaired processes
-of the arms after ``ram``.
+of the arms after ``ram``. A paired line also gives the engine thread's waits a step on each
+side (voluntary context switches, read per block): a wait for a read, or for the GIL while a
+library thread (the background warm) ran Python. The in-RAM side pays for those threads too
+(they share its process), so a warm's cost to the engine thread shows there, not in the ratio.
 
 Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwise). Printed per
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
@@ -104,7 +107,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_note, current_cpu, disk_irq_cpus, median, write_json  # noqa: E402
+from common import (  # noqa: E402
+    cpu_note,
+    current_cpu,
+    disk_irq_cpus,
+    median,
+    thread_sleeps,
+    write_json,
+)
 
 from engramdb.integrations.engines._env import (  # noqa: E402
     apply_inherited_hiding,
@@ -660,6 +670,7 @@ def paired_steps(
             self.feed_s = 0.0
             self.look_s = 0.0
             self.feeds: list[float] = []  # per step (not the prefills)
+            self.sleeps = 0  # the engine thread's waits (voluntary switches) in its steps
 
         def enter(self) -> None:
             for lay in ENGRAM_AFTER:
@@ -706,6 +717,7 @@ def paired_steps(
             if self.dec is not None and bufs["out"].shape != self.dec.out_shape:
                 new_bufs(bufs, self.dec)
             total = 0.0
+            s0 = thread_sleeps()  # (read per block: a /proc read inside a step would cost)
             for _ in range(n):
                 assert self.nxt is not None
                 self.toks.append(self.nxt.copy())
@@ -718,6 +730,7 @@ def paired_steps(
                 self.feeds.append(self.feed_s - f0)
                 self.look_s += Clock.total
                 self.cpus.append(current_cpu())
+            self.sleeps += thread_sleeps() - s0
             return total
 
     ram = Side(ram_mods, {}, None, False)
@@ -759,6 +772,9 @@ def paired_steps(
         ],
         "paired_lookup_us": [x.look_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
         "paired_step_us": [t * 1e6 / max(1, blocks * PAIR_BLOCK) for t in (t_ram, t_arm)],
+        # the engine thread's waits a step, [in-RAM, arm]: for a read, or for the GIL while
+        # another thread of the process (a background warm, a prefetcher) ran Python
+        "paired_sleeps_per_step": [x.sleeps / max(1, len(x.toks)) for x in (ram, arm)],
     }
 
 
@@ -1203,6 +1219,12 @@ def run_batch(
                     f"{(sa - fa - la) - (sr - fr - lr):+.0f}"
                 )
             print("                        arm - in-RAM per step (us): " + "; ".join(gaps))
+            if all("paired_sleeps_per_step" in p for p in ps):
+                print(
+                    "                        engine thread's waits a step (read or GIL), "
+                    "in-RAM / arm: "
+                    + "; ".join("{:.2f} / {:.2f}".format(*p["paired_sleeps_per_step"]) for p in ps)
+                )
             print(
                 "                        per rep: feed p50/p90 in-RAM, arm (us) "
                 + "; ".join(
