@@ -4,6 +4,7 @@ gaps between periodic foreground batches."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -401,3 +402,110 @@ def test_noted_batches_enter_the_rhythm_in_order_when_it_is_next_read() -> None:
         c.t = 20.0 + 0.002 * i
         g.note(0.0005)
     assert g.period == pytest.approx(0.002) and g.batches == 64  # the last 64
+
+
+native_piece = pytest.mark.skipif(fg_mod._read_piece is None, reason="_pieces not built")
+
+
+def _mapped_rss(addr: int) -> int:
+    """Resident bytes of the mapping that starts at ``addr`` (this process's page tables)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{addr:x}":
+            for rest in lines[i + 1 :]:
+                if rest.startswith("Rss:"):
+                    return int(rest.split()[1]) << 10
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_install_builds_the_warm_piece_call() -> None:
+    assert fg_mod._read_piece is not None
+
+
+@native_piece
+def test_a_native_piece_reads_and_maps_its_bytes_and_sleeps_to_its_slot(tmp_path: Path) -> None:
+    """`read_piece` reads an evicted file's piece into the page cache and this process's page
+    tables (populate at the address), sleeps until the wake time it is given, ends that
+    sleep once its stop byte is set, and raises OSError for a piece it cannot read."""
+    from engramdb.io._pieces import read_piece
+    from engramdb.io.mapping import map_range, range_pages, unmap_range
+
+    p = tmp_path / "f.bin"
+    size = 2 << 20
+    p.write_bytes(np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8).tobytes())
+    evict(p)
+    fd = os.open(p, os.O_RDONLY)
+    addr = map_range(fd, 0, size)
+    try:
+        assert range_pages(addr, size)[0] < size // 4096 and _mapped_rss(addr) == 0
+        took = read_piece(fd, 0, size, addr, 0, None)
+        assert took > 0
+        assert range_pages(addr, size) == (size // 4096, size // 4096)
+        assert _mapped_rss(addr) == size  # the page tables too: no fault at the first touch
+        wake = time.monotonic() + 0.2
+        read_piece(fd, 0, 4096, 0, int(wake * 1e9), None)  # the last-byte read, then the pause
+        assert time.monotonic() >= wake - 0.002
+        flag = bytearray(1)
+        threading.Timer(0.1, lambda: flag.__setitem__(0, 1)).start()
+        t0 = time.monotonic()
+        read_piece(fd, 0, 4096, 0, int((t0 + 30.0) * 1e9), flag)  # a 30 s slot, stopped
+        assert time.monotonic() - t0 < 2.0
+        past = map_range(fd, 0, size + 4096)  # a page past the file's end: unreadable
+        try:
+            with pytest.raises(OSError):
+                read_piece(fd, size, 4096, past + size, 0, None)
+        finally:
+            unmap_range(past, size + 4096)
+        with pytest.raises(ValueError):
+            read_piece(fd, 0, 0, addr, 0, None)
+        with pytest.raises((BufferError, TypeError)):
+            read_piece(fd, 0, 4096, addr, 0, b"\0")  # a read-only stop byte
+    finally:
+        unmap_range(addr, size)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("calls", ["native", "python"])
+def test_a_paced_read_in_gaps_keeps_the_pace_and_stops_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: str
+) -> None:
+    """With the background warm's stop byte, paced pieces keep the pace (4 MiB at 16 MiB/s:
+    a quarter second at least, every piece paced, every page read) whether a piece is one
+    native call or the calls one by one, and a stop set during a long pause ends it."""
+    if calls == "python":
+        monkeypatch.setattr(fg_mod, "_read_piece", None)
+    elif fg_mod._read_piece is None:
+        pytest.skip("_pieces not built")
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    evict(p)
+    f = Foreground()
+    f.overlapped = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr(fg_mod, "_PACER", fg_mod._Pacer())  # a schedule of its own
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        stop, flag = threading.Event(), bytearray(1)
+        t0 = time.monotonic()
+        pieces, paced_n, bps = read_in_gaps(
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=16 << 20, stop_flag=flag
+        )
+        assert (pieces, paced_n) == (4, 4) and bps > 0
+        assert time.monotonic() - t0 >= 0.24
+        from engramdb.testing.pages import file_residency
+
+        assert file_residency(p) == 1.0
+
+        def cancel() -> None:  # as BackgroundWarm.cancel does
+            stop.set()
+            flag[0] = 1
+
+        threading.Timer(0.2, cancel).start()
+        t0 = time.monotonic()
+        got, _, _ = read_in_gaps(
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=(1 << 20) / 30,
+            stop_flag=flag,
+        )  # fmt: skip
+        assert got == 1 and time.monotonic() - t0 < 2.0  # the first piece's 30 s pause, cut short
+    finally:
+        os.close(fd)

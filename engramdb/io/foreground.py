@@ -34,10 +34,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from engramdb.errors import InvalidArgument
 from engramdb.io.mapping import populate_range
 from engramdb.units import parse_size
+
+try:  # a piece's calls without the GIL in between (`read_in_gaps`)
+    from engramdb.io._pieces import read_piece as _read_piece
+except ImportError:  # not built: the calls one by one
+    _read_piece = None  # type: ignore[assignment]
 
 __all__ = [
     "FOREGROUND",
@@ -225,6 +231,7 @@ def read_in_gaps(
     populate: bool,
     stop: threading.Event,
     pace: float | None = None,
+    stop_flag: Any = None,
 ) -> tuple[int, int, float]:
     """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
     each started in a gap between ``record``'s batches that it ends before the next is due
@@ -234,24 +241,41 @@ def read_in_gaps(
     a piece read while ``record`` is `Foreground.overlapped` is followed by a pause that
     holds the paced pieces of all the process's warms together to that rate (`_Pacer`).
     Returns the pieces read, how many of them were paced, and the updated rate; stops
-    early once ``stop`` is set."""
+    early once ``stop`` is set.
+
+    Where ``engramdb.io._pieces`` is built, a piece's advice, wait and (given
+    ``stop_flag``, a writable byte set along with ``stop``, which ends it early) pause run
+    in one call that releases the GIL once: each release is a chance for the GIL to land
+    here in the middle of the engine's compute, and the engine's thread then waits for it
+    (0.13-0.27 such waits a step beside a B=1 decode with the calls one by one,
+    `docs/probes.md`, 34th stop)."""
     sub = pieces = paced = 0
+    native = _read_piece
+    pause_in_call = native is not None and stop_flag is not None
     while sub < n and not stop.is_set():
         record.wait_gap(_PIECE / bps, timeout=max(0.02, 2 * record.period))
         m = min(n - sub, _PIECE)
         t = time.monotonic()
-        os.posix_fadvise(fd, file_off + sub, m, os.POSIX_FADV_WILLNEED)
-        if populate:
-            populate_range(addr + sub, m)
+        slot_end = 0.0  # where the piece's slot in the pacing schedule ends (0: not paced)
+        if pace is not None and record.overlapped():
+            paced += 1
+            slot_end = _PACER.slot(m, pace, t)
+        if native is not None:  # advice, wait (and pause) in one call: the GIL taken back once
+            wake = int(slot_end * 1e9) if pause_in_call else 0
+            place = addr + sub if populate else 0
+            took = native(fd, file_off + sub, m, place, wake, stop_flag) / 1e9
         else:
-            os.pread(fd, 1, file_off + sub + m - 1)
-        took = time.monotonic() - t
+            os.posix_fadvise(fd, file_off + sub, m, os.POSIX_FADV_WILLNEED)
+            if populate:
+                populate_range(addr + sub, m)
+            else:
+                os.pread(fd, 1, file_off + sub + m - 1)
+            took = time.monotonic() - t
         bps += _EWMA * (m / max(took, 1e-6) - bps)
         pieces += 1
         sub += m
-        if pace is not None and record.overlapped():
-            paced += 1
-            stop.wait(_PACER.reserve(m, pace, t))
+        if slot_end and not pause_in_call:
+            stop.wait(max(0.0, slot_end - time.monotonic()))
     return pieces, paced, bps
 
 
@@ -265,11 +289,15 @@ class _Pacer:
         self._lock = threading.Lock()
         self._free_at = float("-inf")
 
-    def reserve(self, n: int, rate: float, t: float) -> float:
-        """Seconds to wait after a piece of ``n`` bytes started at ``t`` (monotonic)."""
+    def slot(self, n: int, rate: float, t: float) -> float:
+        """When the slot of a piece of ``n`` bytes started at ``t`` ends (monotonic)."""
         with self._lock:
             self._free_at = max(self._free_at, t) + n / rate
-            return max(0.0, self._free_at - time.monotonic())
+            return self._free_at
+
+    def reserve(self, n: int, rate: float, t: float) -> float:
+        """Seconds to wait after a piece of ``n`` bytes started at ``t`` (monotonic)."""
+        return max(0.0, self.slot(n, rate, t) - time.monotonic())
 
 
 _PACER = _Pacer()

@@ -207,6 +207,7 @@ class BackgroundWarm:
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
         self._stop = threading.Event()
+        self._stop_flag = bytearray(1)  # set with `_stop`: ends a native piece's pause
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -220,6 +221,7 @@ class BackgroundWarm:
             if self.state == "running":
                 return False
             self._stop.clear()
+            self._stop_flag[0] = 0
             self.state, self.reason = "running", ""
             self.bytes_read = self.bytes_added = 0
             self.reading = False
@@ -234,6 +236,7 @@ class BackgroundWarm:
             if self.state == "running":
                 self.reason = reason
             self._stop.set()
+            self._stop_flag[0] = 1
         if t is not None and t is not threading.current_thread():
             t.join()
 
@@ -309,6 +312,7 @@ class BackgroundWarm:
                                 pieces, paced, self._piece_bps = read_in_gaps(
                                     FOREGROUND, own, start + off, addr, n, self._piece_bps,
                                     populate=self.populate, stop=self._stop,
+                                    stop_flag=self._stop_flag,
                                     pace=overlap_rate(),
                                 )  # fmt: skip
                                 self.gap_pieces += pieces

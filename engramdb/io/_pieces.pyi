@@ -1,0 +1,3 @@
+def read_piece(
+    fd: int, offset: int, length: int, address: int, wake_ns: int, stop: object
+) -> int: ...
