@@ -151,11 +151,11 @@ def test_the_pace_is_shared_by_every_warm_of_the_process() -> None:
     slots of the pieces before it, so together they keep to the rate."""
     p = fg_mod._Pacer()
     now = time.monotonic()
-    first = p.reserve(1 << 20, float(1 << 20), now)  # 1 MiB at 1 MiB/s: one second
-    second = p.reserve(1 << 20, float(1 << 20), now)  # another table's piece, same moment
+    first = p.slot(1 << 20, float(1 << 20), now) - now  # 1 MiB at 1 MiB/s: one second
+    second = p.slot(1 << 20, float(1 << 20), now) - now  # another table's piece, same moment
     assert 0.9 < first <= 1.0
     assert 1.9 < second <= 2.0
-    later = p.reserve(1 << 20, float(1 << 20), now + 10.0)  # after a pause: its own slot
+    later = p.slot(1 << 20, float(1 << 20), now + 10.0) - now  # after a pause: its own slot
     assert 10.9 < later <= 11.0
 
 

@@ -34,7 +34,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from engramdb.errors import InvalidArgument
 from engramdb.io.mapping import populate_range
@@ -231,7 +230,7 @@ def read_in_gaps(
     populate: bool,
     stop: threading.Event,
     pace: float | None = None,
-    stop_flag: Any = None,
+    stop_flag: bytearray | None = None,
 ) -> tuple[int, int, float]:
     """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
     each started in a gap between ``record``'s batches that it ends before the next is due
@@ -294,10 +293,6 @@ class _Pacer:
         with self._lock:
             self._free_at = max(self._free_at, t) + n / rate
             return self._free_at
-
-    def reserve(self, n: int, rate: float, t: float) -> float:
-        """Seconds to wait after a piece of ``n`` bytes started at ``t`` (monotonic)."""
-        return max(0.0, self.slot(n, rate, t) - time.monotonic())
 
 
 _PACER = _Pacer()
