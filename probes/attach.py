@@ -1,7 +1,8 @@
 """Attached tables: attach/open time of a sparse 50 GB checkpoint, and warm/cold rows/s of
 attached tables against the same tables built, in the same run.
 
-    python probes/attach.py [--quick] [--gib 1] [--sparse-gb 50] [--reps 5] [--dir /tmp]
+    python probes/attach.py [--quick] [--gib 1] [--sparse-gb 50] [--reps 5] [--batches 64]
+        [--dir /tmp]
 
 1. Sparse: a V4.1-shaped safetensors file (``layers.1.engram.embed.weight`` F8_E4M3
    ``[N, 256]`` + ``.scale`` F8_E8M0 ``[N, 8]``, ``--sparse-gb`` GB, made with ``truncate``:
@@ -13,8 +14,9 @@ attached tables against the same tables built, in the same run.
    tensors); ``w_built`` / ``ws_built`` are the same rows built (``build --from-attached``).
    Warm (populated; ``ws`` also loads its RAM record into RAM: the 8 B scale and the bytes
    of each weight row on a cache line of their own, engramdb.read.resident; checked; single-thread
-   baseline ``np.take`` on the built mapping first): 16 batches of 16,384 random ids through
-   ``fetch_into`` per repetition, the CPU caches flushed before every arm (`CacheFlush`: the
+   baseline ``np.take`` on the built mapping first): ``--batches`` (64) batches of 16,384
+   random ids through ``fetch_into`` per repetition (at 16, ~6 ms an arm, one rep's ratio
+   strayed 0.5-1.3x), the CPU caches flushed before every arm (`CacheFlush`: the
    arms read the same rows, and the 480 MiB last-level cache here would otherwise hand an
    arm the rows the arm before it read). Cold: a fresh process per arm and repetition opens the
    database (an attached ``ws`` loads its RAM record, timed and reported, not in the
@@ -194,6 +196,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=None)
     ap.add_argument("--sparse-gb", type=float, default=50)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--batches", type=int, default=64, help="warm batches per arm and rep")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--align", type=int, default=8, help="data start alignment (8: as written)")
     ap.add_argument("--cold-child", nargs=3, metavar=("DB", "TABLE", "SEED"), default=None)
@@ -230,7 +233,7 @@ def main() -> None:
             f"{median(cold_opens) * 1e3:.1f} ms (median of 3; 2 tables, ~5 reads per file)"
         )
         rng = np.random.default_rng(1)
-        ids = [rng.integers(0, n, BATCH) for _ in range(16)]
+        ids = [rng.integers(0, n, BATCH) for _ in range(max(2, a.batches))]
         with engramdb.open(db) as da, engramdb.open(built) as dbb:
             t = {"w": da["w"], "ws": da["ws"], "w_built": dbb["w_tmp"], "ws_built": dbb["ws_tmp"]}
             # Populated first, as `engramdb warm` leaves a table (one sequential pass per file:

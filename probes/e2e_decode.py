@@ -626,11 +626,11 @@ def model_ids(dec: Any, lay: int, t: int) -> Any:
     """Layer ``lay``'s ids for the model after a push or prefill of ``t`` positions: the
     decoder's local ids (`Decoder.local_ids`, a buffer it reuses) as a ``[B, t, H]`` tensor
     made once per buffer."""
-    import torch
-
     buf = dec.local_ids(lay)
     c = _IDS.get(lay)
     if c is None or c[0] is not buf:
+        import torch  # (here: an import statement costs inside a model step too)
+
         c = _IDS[lay] = (buf, torch.from_numpy(buf).view(-1, t, HEADS))
     return c[1]
 
