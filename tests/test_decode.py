@@ -604,6 +604,15 @@ def _resident_decoder(tmp_path: Path, recheck_s: float) -> Iterator[tuple[Any, D
         yield s, dec, out
 
 
+def _fill_faults(rule: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[int]]:
+    """``rule.faulted`` as it was, and a list of the faults reported through it from now on
+    (a fill slow on a busy machine reports one, which ends a quiet window early)."""
+    fault = rule.faulted
+    by_fills: list[int] = []
+    monkeypatch.setattr(rule, "faulted", lambda i: (by_fills.append(i), fault(i)))
+    return fault, by_fills
+
+
 def test_a_faulting_fill_ends_the_rules_quiet_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -616,9 +625,7 @@ def test_a_faulting_fill_ends_the_rules_quiet_window(
         dec.fill(out)
         if dec.prefetched or not s.mapped_state():
             pytest.skip("the populated table was not resident (memory pressure)")
-        fault = dec.rule.faulted
-        by_fills: list[int] = []  # faults the fills reported (a fill slow on a busy machine)
-        monkeypatch.setattr(dec.rule, "faulted", lambda i: (by_fills.append(i), fault(i)))
+        fault, by_fills = _fill_faults(dec.rule, monkeypatch)
         asked: list[int] = []
         monkeypatch.setattr(s, "warming", lambda: asked.append(1) or False)
         for attempt in range(3):  # again where a fill's fault ended the quiet window meanwhile
@@ -658,9 +665,7 @@ def test_an_off_layers_rechecks_space_out_while_its_rows_stay_resident(
     while each check finds its rows resident, up to 16 times; a fault starts it over."""
     with _resident_decoder(tmp_path, 0.02) as (s, dec, out):
         rule = dec.rule
-        fault = rule.faulted
-        by_fills: list[int] = []  # faults the fills reported (a fill slow on a busy machine)
-        monkeypatch.setattr(rule, "faulted", lambda i: (by_fills.append(i), fault(i)))
+        fault, by_fills = _fill_faults(rule, monkeypatch)
         tok = iter(range(1, 1000))
 
         def step() -> float:

@@ -470,9 +470,10 @@ def test_a_native_piece_reads_and_maps_its_bytes_and_sleeps_to_its_slot(tmp_path
 def test_a_paced_read_in_gaps_keeps_the_pace_and_stops_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: str
 ) -> None:
-    """With the background warm's stop byte, paced pieces keep the pace (4 MiB at 16 MiB/s:
-    a quarter second at least, every piece paced, every page read) whether a piece is one
-    native call or the calls one by one, and a stop set during a long pause ends it."""
+    """With the background warm's stop signal (its byte read by the native call), paced
+    pieces keep the pace (4 MiB at 16 MiB/s: a quarter second at least, every piece paced,
+    every page read) whether a piece is one native call or the calls one by one, and a stop
+    set during a long pause ends it."""
     if calls == "python":
         monkeypatch.setattr(fg_mod, "_read_piece", None)
     elif fg_mod._read_piece is None:
@@ -485,10 +486,10 @@ def test_a_paced_read_in_gaps_keeps_the_pace_and_stops_at_once(
     monkeypatch.setattr(fg_mod, "_PACER", fg_mod._Pacer())  # a schedule of its own
     fd = os.open(p, os.O_RDONLY)
     try:
-        stop, flag = threading.Event(), bytearray(1)
+        stop = fg_mod.StopSignal()
         t0 = time.monotonic()
         pieces, paced_n, bps = read_in_gaps(
-            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=16 << 20, stop_flag=flag
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=16 << 20
         )
         assert (pieces, paced_n) == (4, 4) and bps > 0
         assert time.monotonic() - t0 >= 0.24
@@ -496,16 +497,11 @@ def test_a_paced_read_in_gaps_keeps_the_pace_and_stops_at_once(
 
         assert file_residency(p) == 1.0
 
-        def cancel() -> None:  # as BackgroundWarm.cancel does
-            stop.set()
-            flag[0] = 1
-
-        threading.Timer(0.2, cancel).start()
+        threading.Timer(0.2, stop.set).start()  # as BackgroundWarm.cancel does
         t0 = time.monotonic()
         got, _, _ = read_in_gaps(
-            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=(1 << 20) / 30,
-            stop_flag=flag,
-        )  # fmt: skip
+            f, fd, 0, 0, 4 << 20, 1e9, populate=False, stop=stop, pace=(1 << 20) / 30
+        )
         assert got == 1 and time.monotonic() - t0 < 2.0  # the first piece's 30 s pause, cut short
     finally:
         os.close(fd)

@@ -49,6 +49,7 @@ __all__ = [
     "OVERLAP_RATE_ENV",
     "YIELD_ENV",
     "Foreground",
+    "StopSignal",
     "idle_priority",
     "overlap_rate",
     "read_in_gaps",
@@ -230,7 +231,6 @@ def read_in_gaps(
     populate: bool,
     stop: threading.Event,
     pace: float | None = None,
-    stop_flag: bytearray | None = None,
 ) -> tuple[int, int, float]:
     """Read ``n`` bytes of ``fd`` at ``file_off`` (mapped at ``addr``) in `_PIECE` pieces,
     each started in a gap between ``record``'s batches that it ends before the next is due
@@ -242,14 +242,15 @@ def read_in_gaps(
     Returns the pieces read, how many of them were paced, and the updated rate; stops
     early once ``stop`` is set.
 
-    Where ``engramdb.io._pieces`` is built, a piece's advice, wait and (given
-    ``stop_flag``, a writable byte set along with ``stop``, which ends it early) pause run
-    in one call that releases the GIL once: each release is a chance for the GIL to land
+    Where ``engramdb.io._pieces`` is built, a piece's advice, wait and (where ``stop`` is a
+    `StopSignal`, whose byte ends it early) pause run in one call that releases the GIL
+    once: each release is a chance for the GIL to land
     here in the middle of the engine's compute, and the engine's thread then waits for it
     (0.13-0.27 such waits a step beside a B=1 decode with the calls one by one,
     `docs/probes.md`, 34th stop)."""
     sub = pieces = paced = 0
     native = _read_piece
+    stop_flag = stop.flag if isinstance(stop, StopSignal) else None
     pause_in_call = native is not None and stop_flag is not None
     while sub < n and not stop.is_set():
         record.wait_gap(_PIECE / bps, timeout=max(0.02, 2 * record.period))
@@ -276,6 +277,23 @@ def read_in_gaps(
         if slot_end and not pause_in_call:
             stop.wait(max(0.0, slot_end - time.monotonic()))
     return pieces, paced, bps
+
+
+class StopSignal(threading.Event):
+    """A `threading.Event` compiled code can read without the GIL: ``flag`` (one byte) is 1
+    while it is set (`read_in_gaps` hands it to a native piece, whose pause it ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flag = bytearray(1)
+
+    def set(self) -> None:
+        self.flag[0] = 1
+        super().set()
+
+    def clear(self) -> None:
+        self.flag[0] = 0
+        super().clear()
 
 
 class _Pacer:

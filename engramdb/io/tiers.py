@@ -27,7 +27,13 @@ from collections.abc import Callable, Sequence
 
 from engramdb._cpus import run_as_worker
 from engramdb.errors import InvalidArgument
-from engramdb.io.foreground import FOREGROUND, idle_priority, overlap_rate, read_in_gaps
+from engramdb.io.foreground import (
+    FOREGROUND,
+    StopSignal,
+    idle_priority,
+    overlap_rate,
+    read_in_gaps,
+)
 from engramdb.io.mapping import (
     MADV_DONTNEED,
     MADV_SEQUENTIAL,
@@ -206,8 +212,7 @@ class BackgroundWarm:
         self._piece_bps = 1e9  # smoothed read rate of those pieces (bytes/s)
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
-        self._stop = threading.Event()
-        self._stop_flag = bytearray(1)  # set with `_stop`: ends a native piece's pause
+        self._stop = StopSignal()  # (its byte also ends a native piece's pause)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -221,7 +226,6 @@ class BackgroundWarm:
             if self.state == "running":
                 return False
             self._stop.clear()
-            self._stop_flag[0] = 0
             self.state, self.reason = "running", ""
             self.bytes_read = self.bytes_added = 0
             self.reading = False
@@ -236,7 +240,6 @@ class BackgroundWarm:
             if self.state == "running":
                 self.reason = reason
             self._stop.set()
-            self._stop_flag[0] = 1
         if t is not None and t is not threading.current_thread():
             t.join()
 
@@ -312,7 +315,6 @@ class BackgroundWarm:
                                 pieces, paced, self._piece_bps = read_in_gaps(
                                     FOREGROUND, own, start + off, addr, n, self._piece_bps,
                                     populate=self.populate, stop=self._stop,
-                                    stop_flag=self._stop_flag,
                                     pace=overlap_rate(),
                                 )  # fmt: skip
                                 self.gap_pieces += pieces
