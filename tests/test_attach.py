@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -27,6 +28,7 @@ from engramdb.errors import (
     TruncatedFile,
 )
 from engramdb.io.uring import IoUringBackend
+from engramdb.testing.pages import evict, file_residency
 from engramdb.warm import warm_tables
 
 BACKENDS = ["mmap", "preadv", "auto"] + (["io_uring"] if IoUringBackend.availability()[0] else [])
@@ -287,6 +289,75 @@ def test_hostile_headers_are_typed_errors(tmp_path: Path, header: Any, n: Any, m
         engramdb.attach(tmp_path / "db", "t", [src])
     assert "bad.safetensors" in str(e.value)
     assert not (tmp_path / "db" / "manifest.json").exists()
+
+
+def test_opening_an_attached_table_leaves_its_sources_page_cache_alone(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """The identity check at every open reads the header and the sampled blocks around the
+    page cache (its own ``O_DIRECT`` descriptor): an evicted source stays evicted. (Blocks
+    read through the page cache would stay there as small folios, and a later populate's
+    read-ahead would build no 2 MiB folios past the first of them.) A changed sampled block
+    written through the page cache, not yet on the device, is still seen."""
+    v41_checkpoint(tmp_path / "ckpt", rng)
+    src = files(tmp_path / "ckpt")[0]
+    try:
+        os.close(os.open(src, os.O_RDONLY | os.O_DIRECT))
+    except (AttributeError, OSError):
+        pytest.skip("the file system refuses O_DIRECT: the check reads through the page cache")
+    engramdb.attach(tmp_path / "db", "w", [src], tensor=V41_W.format(1))
+    os.fsync(fd := os.open(src, os.O_RDONLY))
+    os.close(fd)
+    evict(src)
+    if file_residency(src) > 0:
+        pytest.skip("the page cache cannot be dropped here")
+    for _ in range(2):
+        with engramdb.open(tmp_path / "db", background_warm=False) as d:
+            assert d["w"].attached
+        assert file_residency(src) == 0.0
+    st = os.stat(src)
+    with open(src, "r+b") as f:  # the last sampled block (it ends at the file's end)
+        f.seek(st.st_size - 3)
+        last = f.read(1)
+        f.seek(st.st_size - 3)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(SourceChanged, match="sampled block"):
+        engramdb.open(tmp_path / "db")
+
+
+@pytest.mark.parametrize("refused", ["open", "read"])
+def test_the_identity_check_reads_through_the_page_cache_where_o_direct_is_refused(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    """Where ``O_DIRECT`` is refused (no such flag, or ``EINVAL`` at the read, as on some
+    file systems) the header and the sampled blocks are read through the page cache: attach
+    and open work, and a changed sampled block is still `SourceChanged`."""
+    v41_checkpoint(tmp_path / "ckpt", rng)
+    src = files(tmp_path / "ckpt")[0]
+    refusals = []
+    if refused == "open":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    else:
+
+        def preadv(*_: Any) -> int:
+            refusals.append(1)
+            raise OSError(errno.EINVAL, "refused")
+
+        monkeypatch.setattr(os, "preadv", preadv)
+    engramdb.attach(tmp_path / "db", "w", [src], tensor=V41_W.format(1))
+    with engramdb.open(tmp_path / "db", background_warm=False) as d:
+        assert d["w"].attached
+    st = os.stat(src)
+    with open(src, "r+b") as f:
+        f.seek(st.st_size - 3)
+        last = f.read(1)
+        f.seek(st.st_size - 3)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(SourceChanged, match="sampled block"):
+        engramdb.open(tmp_path / "db", background_warm=False)
+    assert bool(refusals) == (refused == "read" and hasattr(os, "O_DIRECT"))
 
 
 def test_changed_sources_are_refused_naming_the_file(
