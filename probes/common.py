@@ -90,6 +90,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def pooled_ratio(times: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Baseline over arm time summed over paired blocks ``(t_base, t_arm)``: ``(low, ratio,
+    high)``, with a 95 % bootstrap interval (blocks resampled with replacement, 4000 draws)."""
+    import numpy as np
+
+    t = np.asarray(times, dtype=np.float64).reshape(-1, 2)
+    pick = np.random.default_rng(0).integers(0, len(t), (4000, len(t)))
+    boot = t[pick, 0].sum(axis=1) / t[pick, 1].sum(axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(lo), float(t[:, 0].sum() / t[:, 1].sum()), float(hi)
+
+
 def write_json(name: str, doc: dict[str, Any]) -> Path:
     OUT_DIR.mkdir(exist_ok=True)
     path = OUT_DIR / f"{name}.json"

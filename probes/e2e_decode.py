@@ -112,6 +112,7 @@ from common import (  # noqa: E402
     current_cpu,
     disk_irq_cpus,
     median,
+    pooled_ratio,
     thread_sleeps,
     write_json,
 )
@@ -1264,16 +1265,6 @@ def run_batch(
                 f"{warm['lookup_vs_ram']:.2f}x" + (" (bar <= 1.5x)" if base == "ram" else "")
             )
     return rows, ok
-
-
-def pooled_ratio(times: list[tuple[float, float]]) -> tuple[float, float, float]:
-    """In-RAM over arm time summed over paired blocks ``(t_ram, t_arm)``, with a 95 %
-    bootstrap interval (blocks resampled with replacement, 4000 draws)."""
-    t = np.asarray(times, dtype=np.float64).reshape(-1, 2)
-    pick = np.random.default_rng(0).integers(0, len(t), (4000, len(t)))
-    boot = t[pick, 0].sum(axis=1) / t[pick, 1].sum(axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(lo), float(t[:, 0].sum() / t[:, 1].sum()), float(hi)
 
 
 def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
