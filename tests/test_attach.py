@@ -291,6 +291,18 @@ def test_hostile_headers_are_typed_errors(tmp_path: Path, header: Any, n: Any, m
     assert not (tmp_path / "db" / "manifest.json").exists()
 
 
+def flip_a_sampled_byte(src: str) -> None:
+    """Change a byte of the last sampled block (it ends at the file's end) in place, through
+    the page cache, and restore the file's mtime: only the block's hash can tell."""
+    st = os.stat(src)
+    with open(src, "r+b") as f:
+        f.seek(st.st_size - 3)
+        last = f.read(1)
+        f.seek(st.st_size - 3)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_opening_an_attached_table_leaves_its_sources_page_cache_alone(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
@@ -315,13 +327,7 @@ def test_opening_an_attached_table_leaves_its_sources_page_cache_alone(
         with engramdb.open(tmp_path / "db", background_warm=False) as d:
             assert d["w"].attached
         assert file_residency(src) == 0.0
-    st = os.stat(src)
-    with open(src, "r+b") as f:  # the last sampled block (it ends at the file's end)
-        f.seek(st.st_size - 3)
-        last = f.read(1)
-        f.seek(st.st_size - 3)
-        f.write(bytes([last[0] ^ 0xFF]))
-    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_a_sampled_byte(src)
     with pytest.raises(SourceChanged, match="sampled block"):
         engramdb.open(tmp_path / "db")
 
@@ -348,13 +354,7 @@ def test_the_identity_check_reads_through_the_page_cache_where_o_direct_is_refus
     engramdb.attach(tmp_path / "db", "w", [src], tensor=V41_W.format(1))
     with engramdb.open(tmp_path / "db", background_warm=False) as d:
         assert d["w"].attached
-    st = os.stat(src)
-    with open(src, "r+b") as f:
-        f.seek(st.st_size - 3)
-        last = f.read(1)
-        f.seek(st.st_size - 3)
-        f.write(bytes([last[0] ^ 0xFF]))
-    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_a_sampled_byte(src)
     with pytest.raises(SourceChanged, match="sampled block"):
         engramdb.open(tmp_path / "db", background_warm=False)
     assert bool(refusals) == (refused == "read" and hasattr(os, "O_DIRECT"))

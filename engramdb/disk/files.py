@@ -221,9 +221,9 @@ class _AroundCache:
     4 KiB-aligned span; through ``fd`` where the file system refuses ``O_DIRECT``.
 
     Why: a block read through the page cache stays there as small folios, and a later
-    sequential pass over the file (``populate``, the background warm) builds its read-ahead
-    into 2 MiB folios only up to the first such island; past it the file comes in small
-    folios, which mappings map with 4 KiB page-table entries. Measured here on a 3 GiB
+    ``populate`` of the file (what ``engramdb warm`` runs) builds its read-ahead into 2 MiB
+    folios only up to the first such block; past it the file comes in small folios, which
+    mappings map with 4 KiB page-table entries. Measured here on a 3 GiB
     attached tensor evicted, opened (4 sampled 64 KiB blocks) and populated: 990 MB of it
     mapped with 2 MiB entries instead of 2,938 MB, and warm gathers at 0.74-0.77x the
     built copy's, against 1.00-1.09x with these reads (paired, `probes/attach.py --gib 3`)."""
