@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "Database": "engramdb.database",
     "open": "engramdb.database",
     "Decoder": "engramdb.decode",
+    "DecoderProcess": "engramdb.decode_process",
     "EngramStore": "engramdb.integrations.engramstore",
     "EngramStoreConfig": "engramdb.integrations.engramstore",
     "open_mooncake": "engramdb.integrations.mooncake",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from engramdb.client import Client, RemoteStore, RemoteView, connect
     from engramdb.database import Database, open  # noqa: A004
     from engramdb.decode import Decoder
+    from engramdb.decode_process import DecoderProcess
     from engramdb.integrations.engramstore import EngramStore, EngramStoreConfig
     from engramdb.integrations.mooncake import open_mooncake
     from engramdb.io import IoUringPageReader, PageReader
@@ -117,6 +119,7 @@ __all__ = [
     "Client",
     "Database",
     "Decoder",
+    "DecoderProcess",
     "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",

@@ -109,6 +109,11 @@ class BackendUnavailable(EngramDBError, RuntimeError):
     """An I/O backend cannot run here (kernel, sandbox, platform); the message says why."""
 
 
+class ProcessExited(EngramDBError, RuntimeError):
+    """A companion process (`engramdb.decode_process.DecoderProcess`) exited or stopped
+    answering."""
+
+
 class MissingDependency(EngramDBError, ImportError):
     """An optional extra is needed; the message names it."""
 

@@ -196,6 +196,33 @@ def test_hook_serves_the_decoders_fill_without_a_copy(tmp_path: Path) -> None:
         assert all(hk.served_prefetched == 9 and hk.served_read == 0 for hk in hooks.values())
 
 
+def test_hook_serves_a_decoder_process_fill(tmp_path: Path) -> None:
+    """The hook over a `DecoderProcess` (keygen and reads in its companion): engram-peft's
+    own multi-head embedding's values, as a view of the layer's fill buffer, the model's
+    ids taken from the companion's buffer without a wait before the fill."""
+    from engramdb.decode_process import DecoderProcess
+    from engramdb.torch import prefetched_multi_head_embedding
+
+    h, mods = _peft_tables(tmp_path)
+    toks = np.random.default_rng(1).integers(0, 100, (3, 12))
+    names = {1: "l1", 3: "l3"}
+    with DecoderProcess(tmp_path, names, h, batch=3, compressed=True) as dec:
+        hooks = {lay: prefetched_multi_head_embedding(dec, lay) for lay in (1, 3)}
+        dec.prefill(toks[:, :4])
+        bufs: dict[int, np.ndarray] = {}
+        for t in range(4, 12):
+            dec.push(toks[:, t])
+            for lay, hook in hooks.items():
+                buf = bufs.setdefault(lay, np.empty(dec.layer_shape, np.uint8))
+                ids = torch.from_numpy(dec.local_ids(lay, wait=False)).view(3, 1, -1)
+                dec.fill(buf, layer=lay)
+                got = hook(ids)
+                assert buf.ctypes.data <= got.data_ptr() < buf.ctypes.data + buf.nbytes
+                local = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=lay)[:, -1:])
+                assert torch.equal(got, mods[lay].multi_head_embedding(local))
+        assert all(hk.served_prefetched == 8 and hk.served_read == 0 for hk in hooks.values())
+
+
 def test_hook_serves_a_buffer_per_layer_contiguous(tmp_path: Path) -> None:
     """Fills into one buffer per layer (`Decoder.layer_shape`): the hook hands the model
     that layer's rows as a contiguous view of its buffer, fed the decoder's own local ids

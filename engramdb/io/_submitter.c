@@ -116,6 +116,75 @@ static int nap_on(int efd, int64_t nap_ns) {
     return r > 0;
 }
 
+/* The pace of hand-overs: a running mean of the interval and of its deviation, from the
+ * engine's clock at each (t); *last 0 before the first. */
+static void learn_pace(int64_t *last, int64_t *period, int64_t *dev, int64_t t) {
+    if (*last) {
+        int64_t d = t - *last;
+        if (*period == 0 || d > 4 * *period || 4 * d < *period) {
+            *period = d, *dev = d / 8; /* a new pace (the first, or a jump) */
+        } else {
+            int64_t e = d - *period;
+            *period += e / 8;
+            *dev += ((e < 0 ? -e : e) - *dev) / 8;
+        }
+    }
+    *last = t;
+}
+
+/* How wide a window to watch either side of the next hand-over where the pace is steady
+ * (two deviations, at least 50 us and two naps, at most spin_max). */
+static int64_t watch_width(int64_t dev, int64_t nap, int64_t spin_max) {
+    int64_t w = 2 * dev + 20000;
+    if (w < 50000) w = 50000;
+    if (w < 2 * nap) w = 2 * nap; /* a napping watch: at least two naps either side */
+    return w > spin_max ? spin_max : w;
+}
+
+/* The sleep before the watch of a hand-over due at `due` (window w) into *ts, or NULL (sleep
+ * until the doorbell) where the pace is unknown or the window passed. */
+static struct timespec *sleep_before(struct timespec *ts, int64_t due, int64_t w, int64_t period) {
+    int64_t t = now_ns();
+    if (!(w > 0 && period > 0 && period < 200000000LL && t < due + w)) return NULL;
+    int64_t sleep_ns = due - w - t;
+    if (sleep_ns < 0) sleep_ns = 0;
+    ts->tv_sec = (time_t)(sleep_ns / 1000000000LL);
+    ts->tv_nsec = (long)(sleep_ns % 1000000000LL);
+    return ts;
+}
+
+/* Watch PUSHED (AWAKE set: the engine skips the doorbell) until it moves past done or the
+ * window ending at `end` closes (at least 2 w from now), by spinning or by naps of nap ns;
+ * the doorbell or STOP ends a napping watch at once. 0, or -errno of a failed poll. */
+static long watch(int64_t *st, int64_t done, int64_t end, int64_t w, int64_t nap, int efd) {
+    long result = 0;
+    __atomic_store_n(&st[AWAKE], 1, __ATOMIC_SEQ_CST);
+    int64_t t0 = now_ns();
+    if (end < t0 + 2 * w) end = t0 + 2 * w; /* woken late: still a whole window */
+    int caught = 0;
+    for (unsigned k = 1;; k++) {
+        if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) {
+            caught = 1;
+            break;
+        }
+        if (nap > 0) {
+            if (now_ns() >= end) break;
+            int n = nap_on(efd, nap);
+            if (n < 0) result = n;
+            if (n != 0) break;
+            continue;
+        }
+        relax();
+        if ((k & 255) == 0) { /* another ring's loop on this CPU gets its turn */
+            if (now_ns() >= end) break;
+            sched_yield();
+        }
+    }
+    if (caught) __atomic_add_fetch(&st[CAUGHT], 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&st[SPUN_NS], now_ns() - t0, __ATOMIC_RELAXED);
+    return result;
+}
+
 /* Inside hand_over: nap until `ready` holds, for at most HOLD_NS, or until a hand-over
  * past `pushed`, the doorbell or STOP comes (the main loop reads those); a failed poll
  * returns its -errno from hand_over. */
@@ -212,35 +281,14 @@ static PyObject *run(PyObject *self, PyObject *args) {
             }
             if (result < 0) break;
             done = p;
-            if (last) { /* the pace: a running mean of the interval and of its deviation */
-                int64_t d = t - last;
-                if (period == 0 || d > 4 * period || 4 * d < period) {
-                    period = d, dev = d / 8; /* a new pace (the first, or a jump) */
-                } else {
-                    int64_t e = d - period;
-                    period += e / 8;
-                    dev += ((e < 0 ? -e : e) - dev) / 8;
-                }
-            }
-            last = t;
+            learn_pace(&last, &period, &dev, t);
             continue;
         }
         /* nothing handed over: watch around the next hand-over where the pace is steady
          * (two deviations either side, at least 50 us, at most spin_ns) */
-        int64_t w = 2 * dev + 20000;
-        if (w < 50000) w = 50000;
-        if (w < 2 * nap) w = 2 * nap; /* a napping watch: at least two naps either side */
-        if (w > spin_max) w = spin_max;
-        int64_t due = last + period, t = now_ns();
-        int watch = w > 0 && period > 0 && period < 200000000LL && t < due + w;
-        struct timespec ts, *tsp = NULL;
-        if (watch) {
-            int64_t sleep_ns = due - w - t;
-            if (sleep_ns < 0) sleep_ns = 0;
-            ts.tv_sec = (time_t)(sleep_ns / 1000000000LL);
-            ts.tv_nsec = (long)(sleep_ns % 1000000000LL);
-            tsp = &ts;
-        }
+        int64_t w = watch_width(dev, nap, spin_max), due = last + period;
+        struct timespec ts;
+        struct timespec *tsp = sleep_before(&ts, due, w, period);
         __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) continue;
         struct pollfd pfd = {efd, POLLIN, 0};
@@ -263,30 +311,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
             continue;
         }
         /* the timer: watch until the window closes */
-        __atomic_store_n(&st[AWAKE], 1, __ATOMIC_SEQ_CST);
-        int64_t t0 = now_ns(), end = due + w;
-        if (end < t0 + 2 * w) end = t0 + 2 * w; /* woken late: still a whole window */
-        int caught = 0;
-        for (unsigned k = 1;; k++) {
-            if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) {
-                caught = 1;
-                break;
-            }
-            if (nap > 0) { /* a napping watch: the doorbell or STOP ends it at once */
-                if (now_ns() >= end) break;
-                int n = nap_on(efd, nap);
-                if (n < 0) result = n;
-                if (n != 0) break;
-                continue;
-            }
-            relax();
-            if ((k & 255) == 0) { /* another ring's loop on this CPU gets its turn */
-                if (now_ns() >= end) break;
-                sched_yield();
-            }
-        }
-        if (caught) __atomic_add_fetch(&st[CAUGHT], 1, __ATOMIC_RELAXED);
-        __atomic_add_fetch(&st[SPUN_NS], now_ns() - t0, __ATOMIC_RELAXED);
+        result = watch(st, done, due + w, w, nap, efd);
         if (result < 0) break;
     }
     __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
@@ -317,6 +342,114 @@ static PyObject *notify(PyObject *self, PyObject *args) {
     return PyLong_FromLong(1);
 }
 
+
+/* The words a decode process's loop keeps its pace in (after notify's, below STATE_WORDS). */
+enum { PACE_LAST = 10, PACE_PERIOD = 11, PACE_DEV = 12 };
+
+/* wait_pushed(state, event_fd, done, spin_ns, nap_ns) -> PUSHED once it is past done, -1
+ * once a value >= STOP was written to the eventfd, or -errno of a failed read or poll.
+ *   The loop of a process (engramdb.decode_process) that does each hand-over's work
+ *   itself, in Python, between calls: waits as `run` does, without the GIL (sleeps until
+ *   just before the next hand-over is due at the pace learnt in the state's PACE_ words,
+ *   then watches, so that a hand-over inside the window costs the engine no system call). */
+static PyObject *wait_pushed(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    int efd;
+    long long done, spin_max, nap;
+    if (!PyArg_ParseTuple(args, "KiLLL", &addr, &efd, &done, &spin_max, &nap)) return NULL;
+    int64_t *st = (int64_t *)(uintptr_t)addr;
+    long long result = 0;
+    Py_BEGIN_ALLOW_THREADS
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+    for (;;) {
+        int64_t p = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
+        if (p != done) {
+            int64_t t = __atomic_load_n(&st[AT_NS], __ATOMIC_RELAXED);
+            learn_pace(&st[PACE_LAST], &st[PACE_PERIOD], &st[PACE_DEV], t ? t : now_ns());
+            result = p;
+            break;
+        }
+        int64_t w = watch_width(st[PACE_DEV], nap, spin_max);
+        int64_t due = st[PACE_LAST] + st[PACE_PERIOD];
+        struct timespec ts;
+        struct timespec *tsp = sleep_before(&ts, due, w, st[PACE_PERIOD]);
+        __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) continue;
+        struct pollfd pfd = {efd, POLLIN, 0};
+        int r = ppoll(&pfd, 1, tsp, NULL);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            result = -errno;
+            break;
+        }
+        if (r > 0) { /* the doorbell (or STOP) */
+            uint64_t v = 0;
+            ssize_t n = read(efd, &v, sizeof v);
+            if (n != (ssize_t)sizeof v) {
+                if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+                result = n < 0 ? -errno : -EIO;
+                break;
+            }
+            if (v >= STOP) {
+                result = -1;
+                break;
+            }
+            __atomic_add_fetch(&st[RUNG], 1, __ATOMIC_RELAXED);
+            continue;
+        }
+        long wr = watch(st, done, due + w, w, nap, efd);
+        if (wr < 0) {
+            result = wr;
+            break;
+        }
+    }
+    __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(result);
+}
+
+/* wait_word(state, index, value, fail, timeout_ns) -> 1 once state[index] >= value, -1 once
+ *   state[fail] >= value (fail < 0: none), 0 after timeout_ns. Spins without the GIL (the
+ *   engine's thread waiting for a decode process's rows, which are normally in already). */
+static PyObject *wait_word(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t index, fail;
+    long long value, timeout;
+    if (!PyArg_ParseTuple(args, "KnLnL", &addr, &index, &value, &fail, &timeout)) return NULL;
+    const int64_t *st = (const int64_t *)(uintptr_t)addr;
+    if (__atomic_load_n(&st[index], __ATOMIC_ACQUIRE) >= value) return PyLong_FromLong(1);
+    int result = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t end = now_ns() + timeout;
+    for (unsigned k = 1;; k++) {
+        if (__atomic_load_n(&st[index], __ATOMIC_ACQUIRE) >= value) {
+            result = 1;
+            break;
+        }
+        if (fail >= 0 && __atomic_load_n(&st[fail], __ATOMIC_ACQUIRE) >= value) {
+            result = -1;
+            break;
+        }
+        relax();
+        if ((k & 255) == 0) {
+            if (now_ns() >= end) break;
+            sched_yield();
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* publish(state, index, value) -> None: state[index] = value, after every earlier store of
+ * this thread (the rows and ids a decode process wrote before it). */
+static PyObject *publish(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t index;
+    long long value;
+    if (!PyArg_ParseTuple(args, "KnL", &addr, &index, &value)) return NULL;
+    __atomic_store_n(&((int64_t *)(uintptr_t)addr)[index], value, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
 
 /* spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> the step's bytes
  *   A decode step's reads, one per row, written into a ring's submission entries in one pass
@@ -655,6 +788,14 @@ static PyMethodDef methods[] = {
      "0: the watching loop takes them, -errno: the eventfd write failed. Hand count entries\n"
      "just pushed to the loop: the first `first` of them read before the rest is submitted,\n"
      "`lead` published once they are all read, none submitted before `after` was."},
+    {"wait_pushed", wait_pushed, METH_VARARGS,
+     "wait_pushed(state, event_fd, done, spin_ns, nap_ns) -> PUSHED once past done, -1 on\n"
+     "STOP, -errno. A loop's wait for the engine's next hand-over (notify), at its pace."},
+    {"wait_word", wait_word, METH_VARARGS,
+     "wait_word(state, index, value, fail, timeout_ns) -> 1: state[index] >= value, -1:\n"
+     "state[fail] >= value, 0: timed out. Spins without the GIL."},
+    {"publish", publish, METH_VARARGS,
+     "publish(state, index, value) -> None. A release store of one word."},
     {"spans", spans, METH_VARARGS,
      "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},

@@ -287,6 +287,27 @@ def polled_ring(entries: int) -> Ring:
     return ring
 
 
+#: Whether this process's threads may block in `submit_pushed` (`hold_in_caller`), and how
+#: many steps it submitted so (`held_submits`).
+_CALLER_HOLDS = [False]
+_HELD = [0]
+
+
+def held_submits() -> int:
+    """Steps whose first layer this process submitted alone (`hold_in_caller`)."""
+    return _HELD[0]
+
+
+def hold_in_caller(on: bool = True) -> None:
+    """For a process whose reading thread is not an engine's (a decode companion,
+    `engramdb.decode_process`): a ring without a `Submitter` or polling thread then gets only
+    a step's first entries from `submit_pushed` (its first layer's reads); the rest stay in
+    the ring until that thread waits for a later layer's rows (`wait_ring` leaves a
+    waiting layer's later entries unsubmitted), so the first layer's reads have the device
+    to themselves, as a `Submitter`'s order gives them."""
+    _CALLER_HOLDS[0] = bool(on)
+
+
 def submit_pushed(ring: Ring, count: int, first: int = 0, lead: int = 0, after: int = 0) -> int:
     """Hand the ``count`` entries just pushed (`Ring.push`) to the kernel: the polling
     thread picks them up (woken if it sleeps), or one ``io_uring_enter`` submits them.
@@ -305,8 +326,11 @@ def submit_pushed(ring: Ring, count: int, first: int = 0, lead: int = 0, after: 
             if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
                 return r
         return 0
-    while ring.unsubmitted():
-        r = enter(ring.fd, ring.unsubmitted(), 0, 0)
+    held = _CALLER_HOLDS[0] and 0 < first < count and ring.unsubmitted() == count
+    if held:
+        _HELD[0] += 1
+    while ring.unsubmitted() > (count - first if held else 0):
+        r = enter(ring.fd, ring.unsubmitted() - (count - first if held else 0), 0, 0)
         if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
             return r
     return 0

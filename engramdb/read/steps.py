@@ -277,11 +277,12 @@ class StepReader:
         first = jobs[0][1].size if len(tickets) > 1 else 0
         self._ordered = ordered
         lead, after = read_order.begin(self) if ordered else (0, 0)
+        # the background warm reads around these reads: about their device time (noted
+        # first: a companion's submission returns only once the first layer's reads are in)
+        FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
         r = submit_pushed(ring, n, first, lead, after)
         if lead:
             read_order.led(r == 1)
-        # the background warm reads around these reads: about their device time
-        FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
         if r < 0:
             err = read_error(-r, int(plan.src_fd[0]), int(plan.off[0]), "io_uring_enter failed")
             self._left = 0

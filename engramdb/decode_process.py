@@ -1,0 +1,598 @@
+"""A decoder whose keygen and reads run in a process of their own (`DecoderProcess`).
+
+A `Decoder` does its keygen and starts its reads on the engine's thread, right after the
+sampling: inside a model step that Python costs several times its cost in a loop, because
+the model's compute has just evicted the interpreter's code and data from the CPU caches
+(~140 us a step for two layers at B=8 cold, against ~45 us for the model's own keygen). A
+thread of the same process would need the GIL, and hands it back and forth in the middle of
+the model's ops. `DecoderProcess` runs the same `Decoder` in a companion process: the
+engine's thread writes the step's tokens into shared memory and bumps a word (no system
+call when the companion is watching for it, which it does at the engine's learnt pace);
+the companion hashes, reads and copies each layer's rows into shared memory and publishes a
+word per layer; `fill` waits for that word and copies the rows into the engine's buffer::
+
+    with DecoderProcess("db/", {1: "l1", 3: "l3"}, hasher, batch=8) as dec:
+        bufs = {lay: np.empty(dec.layer_shape, np.uint8) for lay in dec.layers}
+        for step in range(n_steps):
+            dec.push(next_tokens)            # a copy and an atomic add
+            ids = dec.local_ids(1)           # the model's ids (written by the companion)
+            ...
+            dec.fill(bufs[1], layer=1)       # waits for the word, copies [B, H, rb]
+
+Its surface is the `Decoder`'s (``push``, ``prefill``, ``fill``, ``local_ids``, ``reset``,
+``filled_rows`` / ``filled_out`` for the pre-fetched-rows hook), except that `push`
+returns nothing (`row_ids` waits for them) and that an error of a step (a token outside the
+vocabulary, a failed read) is raised by the next `local_ids` / `row_ids` / `fill` of that
+step. The companion exiting raises `ProcessExited`. ``ENGRAMDB_NATIVE=0`` or no compiled
+``engramdb.io._submitter``: the hand-overs go through eventfds both ways (correct, slower).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import subprocess
+import sys
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engramdb.database import Database
+from engramdb.database import open as open_db
+from engramdb.decode import Decoder
+from engramdb.errors import InvalidArgument, InvalidDtype, ProcessExited, ShapeMismatch
+from engramdb.io.sqpoll import (
+    SQPOLL_ENV,
+    SUBMITTER_ENV,
+    held_submits,
+    hold_in_caller,
+    spin_ns,
+    step_compiled,
+)
+from engramdb.read.decode_fill import fill_slices
+from engramdb.validate import one_token
+
+# The shared words (int64): notify's layout (`engramdb.io._submitter`: PUSHED 0, AWAKE 1,
+# AT_NS 5, the pace 10-12), then the command of the last hand-over, the hand-over whose ids
+# are in, the hand-over that failed, and from DONE on one word per layer: its rows are in.
+PUSHED, CMD, KEYED, FAIL, DONE = 0, 16, 17, 18, 32
+STEP, CONTROL = 1, 2
+STOP = 1 << 62  # `_submitter.STOP`: a value >= it written to the doorbell ends the companion
+_WAIT_NS = 200_000_000  # how long a wait spins before it checks the companion is alive
+
+
+def _align(n: int) -> int:
+    return (n + 63) & ~63
+
+
+class _Layout:
+    """Where the shared memory holds the words, the tokens, each layer's local and global ids
+    and each layer's rows (offsets 64-byte aligned)."""
+
+    def __init__(self, layers: int, tokens: int, ids: int, row_bytes: int):
+        self.layers, self.tokens, self.ids, self.row_bytes = layers, tokens, ids, row_bytes
+        self.words = DONE + layers
+        at = _align(8 * self.words)
+        self.tok_at = at
+        at = _align(at + 8 * tokens)
+        self.local_at = [at + i * _align(8 * ids) for i in range(layers)]
+        at += layers * _align(8 * ids)
+        self.rows_at = [at + i * _align(8 * ids) for i in range(layers)]
+        at += layers * _align(8 * ids)
+        self.data_at = [at + i * _align(ids * row_bytes) for i in range(layers)]
+        self.size = max(at + layers * _align(ids * row_bytes), mmap.PAGESIZE)
+
+    def views(self, mm: mmap.mmap) -> tuple[Any, ...]:
+        """(words, tokens, local ids per layer, global ids per layer, rows per layer)."""
+        words = np.frombuffer(mm, np.int64, self.words, 0)
+        tok = np.frombuffer(mm, np.int64, self.tokens, self.tok_at)
+        local = [np.frombuffer(mm, np.int64, self.ids, a) for a in self.local_at]
+        rows = [np.frombuffer(mm, np.int64, self.ids, a) for a in self.rows_at]
+        n = self.ids * self.row_bytes
+        data = [np.frombuffer(mm, np.uint8, n, a) for a in self.data_at]
+        return words, tok, local, rows, data
+
+
+class DecoderProcess:
+    """`Decoder` over ``tables`` (``{layer: table name}``) of the database at ``path`` (or an
+    open `Database`), its keygen and reads in a companion process (see the module).
+    ``preset``, ``batch``, ``prefetch``, ``compressed``: as `Decoder`'s (a `Hasher` must
+    pickle). ``open_options``: `engramdb.open` keywords for the companion's database
+    (``background_warm=``, ``backend=``...). ``cpus``: the CPUs the companion may run on."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Database,
+        tables: Mapping[int, str],
+        preset: Any,
+        *,
+        batch: int | None = None,
+        prefetch: bool | str = "auto",
+        compressed: bool = False,
+        open_options: Mapping[str, Any] | None = None,
+        cpus: set[int] | None = None,
+    ):
+        self._closed = True
+        if not tables:
+            raise InvalidArgument("no tables given")
+        self._own_db = not isinstance(path, Database)
+        if isinstance(path, Database):
+            self._db, path = path, path.path
+        else:  # this process's handles: the hook's tables and shapes (they never read here)
+            self._db = open_db(path, **dict(open_options or {}))
+        names = {int(lay): str(name) for lay, name in tables.items()}
+        try:  # the same decoder here checks the arguments and gives the shapes (it never reads)
+            ref = Decoder(
+                {lay: self._db[n] for lay, n in names.items()},
+                preset, batch=batch, prefetch=prefetch, compressed=compressed,
+            )  # fmt: skip
+        except BaseException:
+            if self._own_db:
+                self._db.close()
+            raise
+        self.layers, self.stores, self.batch = ref.layers, ref.stores, ref.batch
+        self.n_heads, self.row_bytes, self.hasher = ref.n_heads, ref.row_bytes, ref.hasher
+        self.out_shape, self._step_layer_shape = ref.out_shape, ref.layer_shape
+        self._ref = ref
+        n = len(self.layers)
+        ids = (1 if batch is None else int(batch)) * self.n_heads
+        lay = _Layout(n, 1 if batch is None else int(batch), ids, self.row_bytes)
+        self._native = step_compiled("wait_word") is not None
+        fds = self._start(lay)
+        self._fds = fds
+        mm = self._mm = mmap.mmap(fds["mem"], lay.size)
+        self._words, self._tok, self._local, self._rows, data = lay.views(mm)
+        shape = ref.layer_shape
+        self._local = [a.reshape(shape[:-1]) for a in self._local]
+        self._data = [d.reshape(shape) for d in data]
+        self._addr = self._words.ctypes.data
+        self._notify = step_compiled("notify")
+        self._wait = step_compiled("wait_word")
+        self.filled_rows: list[np.ndarray | None] = [None] * n
+        self.filled_out: list[np.ndarray | None] = [None] * n
+        self._row_copy = [np.empty(shape[:-1], np.int64) for _ in range(n)]
+        self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
+        self._fills: dict[tuple[int, Any], tuple[Any, ...]] = {}
+        self._seq = 0  # hand-overs made (PUSHED)
+        self._step = 0  # the hand-over of the pending step (0: none)
+        self._pre: tuple[Any, ...] | None = None  # a pending prefill's rows, ids and data
+        self._failed: tuple[int, BaseException] | None = None
+        self._closed = False
+        config = {
+            "path": str(path), "tables": names, "preset": preset, "batch": batch,
+            "prefetch": prefetch, "compressed": compressed, "cpus": cpus,
+            "open_options": dict(open_options or {}), "native": self._native,
+            "layout": (n, lay.tokens, ids, self.row_bytes), "spin": spin_ns(), "nap": 0,
+        }  # fmt: skip
+        try:
+            self._control(("start", config))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the companion -------------------------------------------------------------------------
+    def _start(self, lay: _Layout) -> dict[str, int]:
+        """Shared memory, the doorbells and the control pipes; the companion started."""
+        mem = os.memfd_create("engramdb-decode", os.MFD_CLOEXEC)
+        os.ftruncate(mem, lay.size)
+        ctl_r, ctl_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        bell, back = os.eventfd(0, os.EFD_CLOEXEC), os.eventfd(0, os.EFD_CLOEXEC)
+        mine = {"mem": mem, "ctl": ctl_w, "rep": rep_r, "bell": bell, "back": back}
+        theirs = (ctl_r, rep_w, mem, bell, back)
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)  # this engramdb, in the companion
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        argv = [sys.executable, "-m", "engramdb.decode_process", ",".join(map(str, theirs))]
+        try:
+            self._proc = subprocess.Popen(
+                argv, pass_fds=theirs, stdin=subprocess.DEVNULL, env=env, close_fds=True
+            )
+        except BaseException:
+            for fd in (*mine.values(), ctl_r, rep_w):
+                os.close(fd)
+            raise
+        os.close(ctl_r)
+        os.close(rep_w)
+        self._ctl = os.fdopen(ctl_w, "wb")
+        self._rep = os.fdopen(rep_r, "rb")
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._ctl, self._rep,
+                                           bell, back, mem)  # fmt: skip
+        return mine
+
+    def _ring(self, cmd: int) -> None:
+        """Hand over: the command, PUSHED up by one, the doorbell where not watched."""
+        self._words[CMD] = cmd
+        self._seq += 1
+        if self._notify is not None and self._native:
+            if self._notify(self._addr, self._fds["bell"], 1) < 0:
+                raise ProcessExited("the decode process's doorbell failed")
+        else:
+            self._words[PUSHED] = self._seq
+            os.eventfd_write(self._fds["bell"], 1)
+
+    def _control(self, msg: tuple[Any, ...]) -> Any:
+        """Send a control message and wait for its reply (raising the companion's error)."""
+        self._check()
+        try:
+            pickle.dump(msg, self._ctl, protocol=pickle.HIGHEST_PROTOCOL)
+            self._ctl.flush()
+        except OSError as e:  # the companion is gone (its end of the pipe closed)
+            raise self._exited() from e
+        self._ring(CONTROL)
+        while True:
+            kind, seq, value = self._receive()
+            if kind == "error" and seq != self._seq:  # a step's error nobody waited for
+                continue
+            if kind == "error":
+                raise value
+            return value
+
+    def _receive(self) -> tuple[str, int, Any]:
+        try:
+            return pickle.load(self._rep)  # type: ignore[no-any-return]
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            raise self._exited() from e
+
+    def _exited(self) -> ProcessExited:
+        code = self._proc.poll()
+        return ProcessExited(f"the decode process exited (code {code})")
+
+    def _check(self) -> None:
+        if self._closed:
+            raise InvalidArgument("the DecoderProcess is closed")
+
+    def _await(self, index: int) -> None:
+        """Wait until word ``index`` reaches the pending step; raise the step's error."""
+        seq = self._step
+        if seq == 0:
+            raise InvalidArgument("no pending step: push() first")
+        failed = self._failed
+        if failed is not None and failed[0] == seq:
+            raise failed[1]
+        wait = self._wait
+        while True:
+            if wait is not None and self._native:
+                r = wait(self._addr, index, seq, FAIL, _WAIT_NS)
+            else:
+                r = self._await_slow(index, seq)
+            if r == 1:
+                return
+            if r == -1:
+                self._raise_failed(seq)
+            if self._proc.poll() is not None:
+                raise self._exited()
+
+    def _await_slow(self, index: int, seq: int) -> int:
+        words, back = self._words, self._fds["back"]
+        while True:
+            if words[index] >= seq:
+                return 1
+            if words[FAIL] >= seq:
+                return -1
+            if not select.select([back], [], [], _WAIT_NS / 1e9)[0]:
+                return 0
+            os.eventfd_read(back)
+
+    def _raise_failed(self, seq: int) -> None:
+        while True:
+            kind, s, value = self._receive()
+            if kind == "error" and s == seq:
+                self._failed = (seq, value)
+                raise value
+
+    # -- the decoder's surface -------------------------------------------------------------------
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """A buffer of one layer's rows for the pending step (or prefill)."""
+        pre = self._pre
+        return pre[3] if pre is not None else self._step_layer_shape
+
+    @property
+    def pending_shape(self) -> tuple[int, ...]:
+        """The buffer `fill` without ``layer=`` takes for the pending step (or prefill)."""
+        pre = self._pre
+        return pre[4] if pre is not None else self._ref.pending_shape
+
+    def prefill_shape(self, n_tokens: int) -> tuple[int, ...]:
+        """The buffer `fill` takes after a prefill of ``n_tokens`` (`Decoder.prefill_shape`)."""
+        return self._ref.prefill_shape(n_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        """The companion's counters: its decoder's (``steps``, ``prefetched``,
+        ``auto_switches``), the steps it read the first layer of before the rest
+        (``held_submits``) and, per table, ``counters()`` and the background warm's
+        ``memory()["warm"]``."""
+        return self._control(("stats",))  # type: ignore[no-any-return]
+
+    def push(self, token_ids: Any) -> None:
+        """Hand the companion each sequence's new token (a scalar, or ``[B]``); it computes
+        the row ids and starts their reads. Returns at once (`row_ids` / `local_ids` wait)."""
+        self._check()
+        if self.batch is None:
+            self._tok[0] = one_token(token_ids)
+        else:
+            arr = token_ids if type(token_ids) is np.ndarray else np.asarray(token_ids)
+            if arr.dtype.kind not in "iu":
+                raise InvalidDtype(f"token ids must be integers, got {arr.dtype}")
+            if arr.shape != (self.batch,):
+                raise ShapeMismatch(f"expected {self.batch} tokens, got shape {arr.shape}")
+            np.copyto(self._tok, arr, casting="unsafe")
+        self._pre = None
+        for i in range(len(self.filled_rows)):  # no layer's rows are this step's yet
+            self.filled_rows[i] = None
+        self._ring(STEP)
+        self._step = self._seq
+
+    def prefill(self, token_ids: Any) -> list[np.ndarray]:
+        """`Decoder.prefill` in the companion: its row ids per layer (it waits for the rows,
+        which the next `fill` copies)."""
+        arr = np.asarray(token_ids)
+        rows, local, data, layer_shape, pending = self._control(("prefill", arr))
+        self._pre = (rows, local, data, layer_shape, pending)
+        self._step = self._seq
+        return list(rows)
+
+    def reset(self) -> None:
+        """Forget every sequence (new requests): `Decoder.reset` in the companion."""
+        self._control(("reset",))
+        self._pre, self._step = None, 0
+        self.filled_rows[:] = [None] * len(self.layers)
+        self.filled_out[:] = [None] * len(self.layers)
+
+    def _slot(self, layer: int | None) -> int:
+        j = self._slot_of.get(layer if layer is not None else self.layers[0])  # type: ignore[arg-type]
+        if j is None or (layer is None and len(self.layers) > 1):
+            raise InvalidArgument(f"layer {layer!r} is not one of the decoder's {self.layers}")
+        return j
+
+    def local_ids(self, layer: int | None = None, *, wait: bool = True) -> np.ndarray:
+        """The pending step's row ids of ``layer`` less each head's offset (`Decoder.local_ids`),
+        in a buffer the companion rewrites at each step. ``wait=False`` returns that buffer at
+        once: a model that reads it only at the layer (after its `fill`) never waits for the
+        companion's keygen."""
+        j = self._slot(layer)
+        if self._pre is not None:
+            return self._pre[1][j]  # type: ignore[no-any-return]
+        if wait:
+            self._await(KEYED)
+        return self._local[j]
+
+    def row_ids(self, layer: int | None = None) -> np.ndarray:
+        """The pending step's global row ids of ``layer`` (what `Decoder.push` returns)."""
+        j = self._slot(layer)
+        if self._pre is not None:
+            return self._pre[0][j]  # type: ignore[no-any-return]
+        self._await(KEYED)
+        return self._rows[j].reshape(self._local[j].shape).copy()
+
+    def fill(self, out: np.ndarray, *, layer: int | None = None) -> np.ndarray:
+        """Copy the pending step's rows into ``out`` (`Decoder.fill`: `pending_shape`, or one
+        layer's `layer_shape` with ``layer=``), waiting for the companion's reads."""
+        key = (id(out), layer)
+        cut = self._fills.get(key)
+        if cut is None or cut[0] is not out or self._pre is not None:
+            cut = self._cut(out, layer)
+        for j, dest in cut[1]:
+            if self._pre is not None:
+                np.copyto(dest, self._pre[2][j].reshape(dest.shape))
+                self.filled_rows[j] = self._pre[0][j]
+            else:
+                self._await(DONE + j)
+                np.copyto(dest, self._data[j].reshape(dest.shape))
+                np.copyto(self._row_copy[j], self._rows[j].reshape(self._row_copy[j].shape))
+                self.filled_rows[j] = self._row_copy[j]
+            self.filled_out[j] = out
+        return out
+
+    def _cut(self, out: np.ndarray, layer: int | None) -> tuple[Any, ...]:
+        """``out`` checked and cut into the destinations of the layers it takes."""
+        n = len(self.layers)
+        one, shaped, _, _ = fill_slices(
+            out, n, self.n_heads * self.row_bytes, self.layer_shape, self.pending_shape
+        )
+        if layer is None:
+            if one:
+                raise InvalidArgument(f"a buffer of {self.layer_shape} is one layer's: pass layer=")
+            which = list(range(n))
+        else:
+            which = [self._slot(layer)]
+        cut = (out, [(j, shaped[j]) for j in which])
+        if self._pre is None:
+            if len(self._fills) > 4 * n + 4:
+                self._fills.clear()
+            self._fills[(id(out), layer)] = cut
+        return cut
+
+    def close(self) -> None:
+        """Stop the companion (it closes its database) and free the shared memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fills.clear()
+        self._local = self._rows = self._data = []  # views of the mapping, released first
+        self._words = self._tok = np.empty(0, np.int64)
+        self._finalizer()
+        if self._own_db:
+            self._db.close()
+
+    def __enter__(self) -> DecoderProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pid {self._proc.pid}"
+        return f"DecoderProcess(layers={self.layers}, batch={self.batch}, {state})"
+
+
+def _shutdown(proc: subprocess.Popen[bytes], ctl: Any, rep: Any, *fds: int) -> None:
+    """Ring STOP, wait for the companion (killed after 5 s), close the descriptors."""
+    bell = fds[0]
+    try:
+        os.eventfd_write(bell, STOP)
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+    for f in (ctl, rep):
+        try:
+            f.close()
+        except OSError:
+            pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# -- the companion's side ----------------------------------------------------------------------
+class _Companion:
+    """The companion's loop: waits for a hand-over, runs it on its `Decoder`, publishes."""
+
+    def __init__(self, fds: list[int]):
+        ctl_r, rep_w, mem, self.bell, self.back = fds
+        self.ctl = os.fdopen(ctl_r, "rb")
+        self.rep = os.fdopen(rep_w, "wb")
+        self.mem = mem
+        self.dec: Decoder | None = None
+        self.done = 0
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        pickle.dump(msg, self.rep, protocol=pickle.HIGHEST_PROTOCOL)
+        self.rep.flush()
+
+    def start(self, cfg: dict[str, Any]) -> None:
+        if cfg["cpus"]:
+            os.sched_setaffinity(0, cfg["cpus"])
+        # this thread is no engine's: it submits its step's reads itself, the first layer's
+        # first (blocking until they are in), with no submitter thread or polling thread
+        os.environ[SUBMITTER_ENV] = os.environ[SQPOLL_ENV] = "0"
+        hold_in_caller(True)
+        n, tokens, ids, rb = cfg["layout"]
+        lay = _Layout(n, tokens, ids, rb)
+        self.mm = mmap.mmap(self.mem, lay.size)
+        self.words, self.tok, local, rows, data = lay.views(self.mm)
+        self.db = open_db(cfg["path"], **cfg["open_options"])
+        tables = {lay_: self.db[name] for lay_, name in cfg["tables"].items()}
+        dec = self.dec = Decoder(
+            tables, cfg["preset"], batch=cfg["batch"], prefetch=cfg["prefetch"],
+            compressed=cfg["compressed"],
+        )  # fmt: skip
+        shape = dec.layer_shape
+        self.local = [a.reshape(shape[:-1]) for a in local]
+        self.rows = [a.reshape(shape[:-1]) for a in rows]
+        self.data = [d.reshape(shape) for d in data]
+        self.single = cfg["batch"] is None
+        self.native = cfg["native"]
+        self.spin, self.nap = cfg["spin"], cfg["nap"]
+        self.addr = self.words.ctypes.data
+        self.publish = step_compiled("publish") if self.native else None
+
+    def put(self, index: int, value: int) -> None:
+        """Publish a word (after the rows and ids this process wrote before it)."""
+        if self.publish is not None:
+            self.publish(self.addr, index, value)
+        else:
+            self.words[index] = value
+            os.eventfd_write(self.back, 1)
+
+    def step(self, seq: int) -> None:
+        dec = self.dec
+        assert dec is not None
+        rows = dec.push(int(self.tok[0]) if self.single else self.tok)
+        for j, lay in enumerate(dec.layers):
+            np.copyto(self.local[j], dec.local_ids(lay).reshape(self.local[j].shape))
+            np.copyto(self.rows[j], rows[j].reshape(self.rows[j].shape))
+        self.put(KEYED, seq)
+        for j, lay in enumerate(dec.layers):
+            dec.fill(self.data[j], layer=lay)
+            self.put(DONE + j, seq)
+
+    def control(self, msg: tuple[Any, ...]) -> Any:
+        dec = self.dec
+        if msg[0] == "start":
+            self.start(msg[1])
+            return None
+        assert dec is not None
+        if msg[0] == "reset":
+            dec.reset()
+            return None
+        if msg[0] == "stats":
+            return {
+                "steps": dec.steps, "prefetched": dec.prefetched,
+                "auto_switches": dec.auto_switches, "held_submits": held_submits(),
+                "counters": [s.counters() for s in dec.stores],  # type: ignore[attr-defined]
+                "warm": [s.memory()["warm"] for s in dec.stores],  # type: ignore[attr-defined]
+            }  # fmt: skip
+        if msg[0] == "prefill":
+            rows = dec.prefill(msg[1])
+            local = [dec.local_ids(lay).copy() for lay in dec.layers]
+            data = []
+            for lay in dec.layers:
+                buf = np.empty(dec.layer_shape, np.uint8)
+                dec.fill(buf, layer=lay)
+                data.append(buf)
+            return rows, local, data, dec.layer_shape, dec.pending_shape
+        raise InvalidArgument(f"unknown control message {msg[0]!r}")
+
+    def wait(self) -> int:
+        """The next hand-over (PUSHED), or -1 on STOP."""
+        if self.dec is None:  # before the start message: the doorbell only
+            v = os.eventfd_read(self.bell)
+            return -1 if v >= STOP else self.done + 1
+        fn = step_compiled("wait_pushed") if self.native else None
+        if fn is not None:
+            return int(fn(self.addr, self.bell, self.done, self.spin, self.nap))
+        while int(self.words[PUSHED]) == self.done:
+            if os.eventfd_read(self.bell) >= STOP:
+                return -1
+        return int(self.words[PUSHED])
+
+    def run(self) -> None:
+        while True:
+            seq = self.wait()
+            if seq < 0:
+                break
+            self.done = seq
+            try:
+                if self.dec is None or int(self.words[CMD]) == CONTROL:
+                    self.send(("reply", seq, self.control(pickle.load(self.ctl))))
+                else:
+                    self.step(seq)
+            except Exception as e:  # the engine raises it at its next wait for this step
+                try:
+                    pickle.dumps(e)
+                except Exception:
+                    e = ProcessExited(f"{type(e).__name__}: {e}")
+                self.send(("error", seq, e))
+                if self.dec is not None:
+                    self.put(FAIL, seq)
+        if self.dec is not None:
+            self.dec.reset()
+            self.db.close()
+
+
+def _companion_main(argv: list[str]) -> None:
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:  # exit with the engine's process
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    _Companion([int(x) for x in argv[1].split(",")]).run()
+
+
+if __name__ == "__main__":
+    _companion_main(sys.argv)
