@@ -49,6 +49,11 @@ started by its first cold read or prefetch, or by its first faulting mapped read
   layer=)`, no copy; the hook checks the model's ids equal the decoder's).
   ``decoder:on`` / ``decoder:off`` force prefetch; ``decoder:whole`` fills each layer's
   slice of one step buffer ``[B, L, H, rb]`` instead (strided slices for B > 1).
+* ``decoder:proc``: the same decoder in a companion process (`DecoderProcess`, opened with
+  the arm's options and kept off ``--engine-cpu``): the push is a copy of the tokens into
+  shared memory and one atomic add, the model takes the companion's local ids without a
+  wait (``local_ids(lay, wait=False)``: read only at the layer, after its fill), each fill
+  waits for the companion's word for that layer and copies the rows.
 
 An arm with a ``nowarm`` part (``cold:nowarm:decoder``) opens its database with
 ``background_warm=False``: the background warm's cost beside the default, in one run.
@@ -177,6 +182,7 @@ DECODER_MODES: dict[str, Any] = {
     "decoder:whole": "auto",
     "decoder:on": True,
     "decoder:off": False,
+    "decoder:proc": "auto",
 }
 #: Every arm kind (``ram:twin`` is the kind ``twin``).
 KINDS = frozenset({"ram", "host", "twin", "module", "module+pf", *DECODER_MODES})
@@ -399,6 +405,7 @@ def child(args: argparse.Namespace) -> None:
     import engramdb
     from engramdb import keygen
     from engramdb.decode import Decoder
+    from engramdb.decode_process import DecoderProcess
     from engramdb.testing.pages import file_residency
     from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
 
@@ -448,6 +455,15 @@ def child(args: argparse.Namespace) -> None:
         if kind == "host" and not gpu:
             raise SystemExit("the host arm is a GPU arm (gpu:host)")
         tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
+    elif kind == "decoder:proc":  # the same decoder, its keygen and reads in a process
+        opts = {"background_warm": background_warm(args.child, args)}
+        names = {lay: f"l{lay}" for lay in ENGRAM_AFTER}
+        # the companion stays off the engine's CPU (``--engine-cpu``)
+        cpus = set(os.sched_getaffinity(0)) - {args.engine_cpu} or None
+        dec = DecoderProcess(db, names, h, batch=b, compressed=True, open_options=opts, cpus=cpus)
+        for i, lay in enumerate(ENGRAM_AFTER):
+            mods[lay] = prefetched_multi_head_embedding(dec, lay)
+            tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
     elif kind in DECODER_MODES:
         dec = Decoder(stores, h, batch=b, prefetch=DECODER_MODES[kind], compressed=True)
         for i, lay in enumerate(ENGRAM_AFTER):
@@ -569,6 +585,8 @@ def child(args: argparse.Namespace) -> None:
         pdoc["resident_after"] = float(
             np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER])
         )
+        if isinstance(dec, DecoderProcess):
+            dec.close()
         db.close()
         print("RESULT " + json.dumps(pdoc))
         return
@@ -585,6 +603,8 @@ def child(args: argparse.Namespace) -> None:
         **proc_status(),
     }
     doc.update(arm_state(stores, dec, mods, kind))
+    if isinstance(dec, DecoderProcess):
+        dec.close()
     db.close()
     print("RESULT " + json.dumps(doc))
 
@@ -593,18 +613,21 @@ def arm_state(stores: dict[int, Any], dec: Any, mods: dict[int, Any], kind: str)
     """What an arm's tables and decoder did by the end: the share of steps prefetched, the
     auto rule's switches, the hook's misses, the background warm's bytes."""
     doc: dict[str, Any] = {}
+    st = dec.stats() if hasattr(dec, "stats") else None  # a `DecoderProcess`: its companion's
     if dec is not None:
-        doc["prefetched_share"] = dec.prefetched / max(1, dec.steps * len(dec.layers))
-        doc["auto_switches"] = dec.auto_switches
+        d = st if st is not None else {"prefetched": dec.prefetched, "steps": dec.steps}
+        doc["prefetched_share"] = d["prefetched"] / max(1, d["steps"] * len(dec.layers))
+        doc["auto_switches"] = st["auto_switches"] if st is not None else dec.auto_switches
         doc["served_read"] = sum(m.served_read for m in mods.values())
         doc["served_prefetched"] = sum(m.served_prefetched for m in mods.values())
     if kind == "module+pf":
         doc["module_prefetches"] = sum(m.prefetches for m in mods.values())
     if kind not in ("ram", "twin", "host"):
-        c = [s.counters() for s in stores.values()]
+        c = st["counters"] if st is not None else [s.counters() for s in stores.values()]
         doc["rows_fetched"] = sum(x["rows_fetched"] for x in c)
         doc["prefetched_gathers"] = sum(x["prefetched_gathers"] for x in c)
-        w = [s.memory()["warm"] for s in stores.values()]  # the background warm, by the end
+        # the background warm, by the end
+        w = st["warm"] if st is not None else [s.memory()["warm"] for s in stores.values()]
         doc["warm_bytes_read"] = sum(x["bytes_read"] for x in w)
         doc["warm_paced_bytes"] = sum(x["paced_pieces"] for x in w) << 20
     return doc
@@ -627,7 +650,10 @@ def model_ids(dec: Any, lay: int, t: int) -> Any:
     """Layer ``lay``'s ids for the model after a push or prefill of ``t`` positions: the
     decoder's local ids (`Decoder.local_ids`, a buffer it reuses) as a ``[B, t, H]`` tensor
     made once per buffer."""
-    buf = dec.local_ids(lay)
+    # (a `DecoderProcess`'s companion writes them by the layer's fill: no wait here)
+    buf = (
+        dec.local_ids(lay) if t > 1 or not hasattr(dec, "stats") else dec.local_ids(lay, wait=False)
+    )
     c = _IDS.get(lay)
     if c is None or c[0] is not buf:
         import torch  # (here: an import statement costs inside a model step too)
@@ -766,7 +792,7 @@ def paired_steps(
         "arm_cpus": arm.cpus,
         # per step, [in-RAM, arm]: the ids' keygen (or the decoder's push), the table calls
         # inside the forward (module forwards, fills), and the whole step
-        "paired_feed_us": [x.feed_s / max(1, len(x.toks)) * 1e6 for x in (ram, arm)],
+        "paired_feed_us": [sum(x.feeds) / max(1, len(x.feeds)) * 1e6 for x in (ram, arm)],
         # the per-step feed's p50 / p90 / max (us), [in-RAM, arm]
         "paired_feed_pcts_us": [
             (np.percentile(x.feeds, [50, 90, 100]) * 1e6).tolist() for x in (ram, arm)
