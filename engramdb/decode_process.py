@@ -59,8 +59,9 @@ from engramdb.validate import one_token
 
 # The shared words (int64): notify's layout (`engramdb.io._submitter`: PUSHED 0, AWAKE 1,
 # AT_NS 5, the pace 10-12), then the command of the last hand-over, the hand-over whose ids
-# are in, the hand-over that failed, and from DONE on one word per layer: its rows are in.
-PUSHED, CMD, KEYED, FAIL, DONE = 0, 16, 17, 18, 32
+# are in, the hand-over that failed, the hand-over the companion has taken (its command and
+# tokens read: the next may overwrite them), and from DONE on one word per layer: its rows.
+PUSHED, CMD, KEYED, FAIL, TAKEN, DONE = 0, 16, 17, 18, 19, 32
 STEP, CONTROL = 1, 2
 STOP = 1 << 62  # `_submitter.STOP`: a value >= it written to the doorbell ends the companion
 _WAIT_NS = 200_000_000  # how long a wait spins before it checks the companion is alive
@@ -206,7 +207,8 @@ class DecoderProcess:
         return mine
 
     def _ring(self, cmd: int) -> None:
-        """Hand over: the command, PUSHED up by one, the doorbell where not watched."""
+        """Hand over: the command, PUSHED up by one, the doorbell where not watched (the
+        tokens, where a step, written already: after `_taken`)."""
         self._words[CMD] = cmd
         self._seq += 1
         if self._notify is not None and self._native:
@@ -216,9 +218,16 @@ class DecoderProcess:
             self._words[PUSHED] = self._seq
             os.eventfd_write(self._fds["bell"], 1)
 
+    def _taken(self) -> None:
+        """Wait until the companion has taken the last hand-over (its command and tokens), so
+        that the next may overwrite them: two pushes in a row both reach its keygen."""
+        if self._seq and self._words[TAKEN] < self._seq:
+            self._await(TAKEN, self._seq, fail=False)
+
     def _control(self, msg: tuple[Any, ...]) -> Any:
         """Send a control message and wait for its reply (raising the companion's error)."""
         self._check()
+        self._taken()
         try:
             pickle.dump(msg, self._ctl, protocol=pickle.HIGHEST_PROTOCOL)
             self._ctl.flush()
@@ -247,20 +256,22 @@ class DecoderProcess:
         if self._closed:
             raise InvalidArgument("the DecoderProcess is closed")
 
-    def _await(self, index: int) -> None:
-        """Wait until word ``index`` reaches the pending step; raise the step's error."""
-        seq = self._step
-        if seq == 0:
-            raise InvalidArgument("no pending step: push() first")
-        failed = self._failed
-        if failed is not None and failed[0] == seq:
-            raise failed[1]
+    def _await(self, index: int, seq: int | None = None, fail: bool = True) -> None:
+        """Wait until word ``index`` reaches hand-over ``seq`` (None: the pending step);
+        raise the step's error (``fail``)."""
+        if seq is None:
+            seq = self._step
+            if seq == 0:
+                raise InvalidArgument("no pending step: push() first")
+            failed = self._failed
+            if failed is not None and failed[0] == seq:
+                raise failed[1]
         wait = self._wait
         while True:
             if wait is not None and self._native:
-                r = wait(self._addr, index, seq, FAIL, _WAIT_NS)
+                r = wait(self._addr, index, seq, FAIL if fail else -1, _WAIT_NS)
             else:
-                r = self._await_slow(index, seq)
+                r = self._await_slow(index, seq, fail)
             if r == 1:
                 return
             if r == -1:
@@ -268,12 +279,12 @@ class DecoderProcess:
             if self._proc.poll() is not None:
                 raise self._exited()
 
-    def _await_slow(self, index: int, seq: int) -> int:
+    def _await_slow(self, index: int, seq: int, fail: bool) -> int:
         words, back = self._words, self._fds["back"]
         while True:
             if words[index] >= seq:
                 return 1
-            if words[FAIL] >= seq:
+            if fail and words[FAIL] >= seq:
                 return -1
             if not select.select([back], [], [], _WAIT_NS / 1e9)[0]:
                 return 0
@@ -314,6 +325,8 @@ class DecoderProcess:
         """Hand the companion each sequence's new token (a scalar, or ``[B]``); it computes
         the row ids and starts their reads. Returns at once (`row_ids` / `local_ids` wait)."""
         self._check()
+        if self._seq and self._words[TAKEN] < self._seq:  # (`_taken`, inlined: every step)
+            self._await(TAKEN, self._seq, fail=False)
         if self.batch is None:
             self._tok[0] = one_token(token_ids)
         else:
@@ -507,7 +520,9 @@ class _Companion:
     def step(self, seq: int) -> None:
         dec = self.dec
         assert dec is not None
-        rows = dec.push(int(self.tok[0]) if self.single else self.tok)
+        tok = int(self.tok[0]) if self.single else self.tok.copy()
+        self.put(TAKEN, seq)  # the engine may write the next step's tokens now
+        rows = dec.push(tok)
         for j, lay in enumerate(dec.layers):
             np.copyto(self.local[j], dec.local_ids(lay).reshape(self.local[j].shape))
             np.copyto(self.rows[j], rows[j].reshape(self.rows[j].shape))
@@ -564,7 +579,9 @@ class _Companion:
             self.done = seq
             try:
                 if self.dec is None or int(self.words[CMD]) == CONTROL:
-                    self.send(("reply", seq, self.control(pickle.load(self.ctl))))
+                    reply = self.control(pickle.load(self.ctl))
+                    self.put(TAKEN, seq)
+                    self.send(("reply", seq, reply))
                 else:
                     self.step(seq)
             except Exception as e:  # the engine raises it at its next wait for this step
@@ -574,6 +591,7 @@ class _Companion:
                     e = ProcessExited(f"{type(e).__name__}: {e}")
                 self.send(("error", seq, e))
                 if self.dec is not None:
+                    self.put(TAKEN, seq)
                     self.put(FAIL, seq)
         if self.dec is not None:
             self.dec.reset()

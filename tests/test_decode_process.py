@@ -146,6 +146,31 @@ def test_a_steps_error_is_raised_at_its_waits_then_steps_go_on(
             assert np.array_equal(buf, want)
 
 
+def test_hand_overs_in_a_row_each_reach_the_keygen(
+    two_tables: Any, rng: np.random.Generator, mode: str
+) -> None:
+    """Two pushes without a fill (the second replaces the pending step; both tokens enter
+    the look-back, as with a `Decoder`), and a control message right after a push: the
+    companion takes every hand-over's tokens before the next may overwrite them."""
+    path, h, fulls = two_tables
+    toks = tokens(rng, (2, 40))
+    with DecoderProcess(path, {2: "e2"}, h, batch=2) as dec:
+        buf = None
+        for t in range(0, 40, 2):
+            dec.push(toks[:, t])
+            dec.push(toks[:, t + 1])
+            buf = np.empty(dec.layer_shape, np.uint8) if buf is None else buf
+            dec.fill(buf, layer=2)
+            want = fulls[2][h.row_ids(toks[:, : t + 2], layer=2)[:, -1]]
+            assert np.array_equal(buf, want), t
+        assert dec.stats()["steps"] == 40
+        dec.push(toks[:, 0])
+        dec.reset()  # right after a push: that push is taken first, then forgotten
+        dec.push(toks[:, 5])
+        dec.fill(buf, layer=2)
+        assert np.array_equal(buf, fulls[2][h.row_ids(toks[:, 5:6], layer=2)[:, -1]])
+
+
 def test_bad_use_is_a_typed_error(two_tables: Any) -> None:
     path, h, _ = two_tables
     with pytest.raises(InvalidArgument, match="no tables"):
