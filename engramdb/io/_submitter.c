@@ -185,6 +185,26 @@ static long watch(int64_t *st, int64_t done, int64_t end, int64_t w, int64_t nap
     return result;
 }
 
+/* Sleep on the doorbell until the timer (tsp; NULL: none) ends: BELL_TIMER once it has,
+ * BELL_AGAIN after the doorbell (counted in RUNG) or an interrupted call, BELL_STOP on a
+ * value >= STOP, or -errno of a failed poll or read. */
+enum { BELL_TIMER = 0, BELL_AGAIN = 1, BELL_STOP = 2 };
+static long sleep_on_bell(int efd, struct timespec *tsp, int64_t *st) {
+    struct pollfd pfd = {efd, POLLIN, 0};
+    int r = ppoll(&pfd, 1, tsp, NULL);
+    if (r < 0) return errno == EINTR ? BELL_AGAIN : -errno;
+    if (r == 0) return BELL_TIMER;
+    uint64_t v = 0;
+    ssize_t n = read(efd, &v, sizeof v);
+    if (n != (ssize_t)sizeof v) {
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) return BELL_AGAIN;
+        return n < 0 ? -errno : -EIO;
+    }
+    if (v >= STOP) return BELL_STOP;
+    __atomic_add_fetch(&st[RUNG], 1, __ATOMIC_RELAXED);
+    return BELL_AGAIN;
+}
+
 /* Inside hand_over: nap until `ready` holds, for at most HOLD_NS, or until a hand-over
  * past `pushed`, the doorbell or STOP comes (the main loop reads those); a failed poll
  * returns its -errno from hand_over. */
@@ -291,25 +311,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
         struct timespec *tsp = sleep_before(&ts, due, w, period);
         __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) continue;
-        struct pollfd pfd = {efd, POLLIN, 0};
-        int r = ppoll(&pfd, 1, tsp, NULL);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            result = -errno;
+        long b = sleep_on_bell(efd, tsp, st);
+        if (b < 0) {
+            result = b;
             break;
         }
-        if (r > 0) { /* the doorbell (or STOP) */
-            uint64_t v = 0;
-            ssize_t n = read(efd, &v, sizeof v);
-            if (n != (ssize_t)sizeof v) {
-                if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-                result = n < 0 ? -errno : -EIO;
-                break;
-            }
-            if (v >= STOP) break;
-            __atomic_add_fetch(&st[RUNG], 1, __ATOMIC_RELAXED);
-            continue;
-        }
+        if (b == BELL_STOP) break;
+        if (b == BELL_AGAIN) continue;
         /* the timer: watch until the window closes */
         result = watch(st, done, due + w, w, nap, efd);
         if (result < 0) break;
@@ -375,28 +383,12 @@ static PyObject *wait_pushed(PyObject *self, PyObject *args) {
         struct timespec *tsp = sleep_before(&ts, due, w, st[PACE_PERIOD]);
         __atomic_store_n(&st[AWAKE], 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST) != done) continue;
-        struct pollfd pfd = {efd, POLLIN, 0};
-        int r = ppoll(&pfd, 1, tsp, NULL);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            result = -errno;
+        long b = sleep_on_bell(efd, tsp, st);
+        if (b < 0 || b == BELL_STOP) {
+            result = b < 0 ? b : -1;
             break;
         }
-        if (r > 0) { /* the doorbell (or STOP) */
-            uint64_t v = 0;
-            ssize_t n = read(efd, &v, sizeof v);
-            if (n != (ssize_t)sizeof v) {
-                if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-                result = n < 0 ? -errno : -EIO;
-                break;
-            }
-            if (v >= STOP) {
-                result = -1;
-                break;
-            }
-            __atomic_add_fetch(&st[RUNG], 1, __ATOMIC_RELAXED);
-            continue;
-        }
+        if (b == BELL_AGAIN) continue;
         long wr = watch(st, done, due + w, w, nap, efd);
         if (wr < 0) {
             result = wr;
