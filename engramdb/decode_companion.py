@@ -88,8 +88,8 @@ class _Companion:
     def start(self, cfg: dict[str, Any]) -> None:
         if cfg["cpus"]:
             os.sched_setaffinity(0, cfg["cpus"])
-        # this thread is no engine's: it submits its step's reads itself, the first layer's
-        # first (blocking until they are in), with no submitter thread or polling thread
+        # this thread is no engine's: it submits its step's reads itself (no submitter or
+        # polling thread), the first layer's alone at `push`, the rest at the next layer's fill
         os.environ[SUBMITTER_ENV] = os.environ[SQPOLL_ENV] = "0"
         hold_in_caller(True)
         n, tokens, ids, rb = cfg["layout"]
@@ -111,6 +111,7 @@ class _Companion:
         self.spin, self.nap = cfg["spin"], cfg["nap"]
         self.addr = self.words.ctypes.data
         self.publish = step_compiled("publish") if self.native else None
+        self.wait_pushed = step_compiled("wait_pushed") if self.native else None
 
     def put(self, index: int, value: int) -> None:
         """Publish a word (after the rows and ids this process wrote before it)."""
@@ -166,7 +167,7 @@ class _Companion:
         if self.dec is None:  # before the start message: the doorbell only
             v = os.eventfd_read(self.bell)
             return -1 if v >= STOP else self.done + 1
-        fn = step_compiled("wait_pushed") if self.native else None
+        fn = self.wait_pushed
         if fn is not None:
             return int(fn(self.addr, self.bell, self.done, self.spin, self.nap))
         while int(self.words[PUSHED]) == self.done:

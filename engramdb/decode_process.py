@@ -86,6 +86,13 @@ class DecoderProcess:
         self._closed = True
         if not tables:
             raise InvalidArgument("no tables given")
+        if cpus is not None and not (cpus and set(cpus) <= os.sched_getaffinity(0)):
+            mine = sorted(os.sched_getaffinity(0))
+            raise InvalidArgument(f"cpus {cpus!r} must be some of this process's CPUs {mine}")
+        try:
+            pickle.dumps(preset)
+        except Exception as e:  # the companion builds its own decoder from it
+            raise InvalidArgument(f"the preset {preset!r} does not pickle: {e}") from e
         self._own_db = not isinstance(path, Database)
         if isinstance(path, Database):
             self._db, path = path, path.path
@@ -108,7 +115,11 @@ class DecoderProcess:
         n = len(self.layers)
         ids = (1 if batch is None else int(batch)) * self.n_heads
         lay = Layout(n, 1 if batch is None else int(batch), ids, self.row_bytes)
-        self._native = step_compiled("wait_word") is not None
+        # the compiled hand-over (`engramdb.io._submitter`), else eventfds both ways
+        notify, wait = step_compiled("notify"), step_compiled("wait_word")
+        if notify is None or wait is None:
+            notify = wait = None
+        self._notify, self._wait = notify, wait
         fds = self._start(lay)
         self._fds = fds
         mm = self._mm = mmap.mmap(fds["mem"], lay.size)
@@ -117,8 +128,6 @@ class DecoderProcess:
         self._local = [a.reshape(shape[:-1]) for a in self._local]
         self._data = [d.reshape(shape) for d in data]
         self._addr = self._words.ctypes.data
-        self._notify = step_compiled("notify")
-        self._wait = step_compiled("wait_word")
         self.filled_rows: list[np.ndarray | None] = [None] * n
         self.filled_out: list[np.ndarray | None] = [None] * n
         self._row_copy = [np.empty(shape[:-1], np.int64) for _ in range(n)]
@@ -132,7 +141,7 @@ class DecoderProcess:
         config = {
             "path": str(path), "tables": names, "preset": preset, "batch": batch,
             "prefetch": prefetch, "compressed": compressed, "cpus": cpus,
-            "open_options": dict(open_options or {}), "native": self._native,
+            "open_options": dict(open_options or {}), "native": wait is not None,
             "layout": (n, lay.tokens, ids, self.row_bytes), "spin": spin_ns(), "nap": 0,
         }  # fmt: skip
         try:
@@ -176,7 +185,7 @@ class DecoderProcess:
         tokens, where a step, written already: after `_taken`)."""
         self._words[CMD] = cmd
         self._seq += 1
-        if self._notify is not None and self._native:
+        if self._notify is not None:
             if self._notify(self._addr, self._fds["bell"], 1) < 0:
                 raise ProcessExited("the decode process's doorbell failed")
         else:
@@ -231,10 +240,9 @@ class DecoderProcess:
             failed = self._failed
             if failed is not None and failed[0] == seq:
                 raise failed[1]
-        wait = self._wait
         while True:
-            if wait is not None and self._native:
-                r = wait(self._addr, index, seq, FAIL if fail else -1, WAIT_NS)
+            if self._wait is not None:
+                r = self._wait(self._addr, index, seq, FAIL if fail else -1, WAIT_NS)
             else:
                 r = self._await_slow(index, seq, fail)
             if r == 1:
@@ -290,8 +298,7 @@ class DecoderProcess:
         """Hand the companion each sequence's new token (a scalar, or ``[B]``); it computes
         the row ids and starts their reads. Returns at once (`row_ids` / `local_ids` wait)."""
         self._check()
-        if self._seq and self._words[TAKEN] < self._seq:  # (`_taken`, inlined: every step)
-            self._await(TAKEN, self._seq, fail=False)
+        self._taken()
         if self.batch is None:
             self._tok[0] = one_token(token_ids)
         else:

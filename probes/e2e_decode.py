@@ -455,17 +455,17 @@ def child(args: argparse.Namespace) -> None:
         if kind == "host" and not gpu:
             raise SystemExit("the host arm is a GPU arm (gpu:host)")
         tables = {lay: baseline(lay, on_device=kind == "ram") for lay in ENGRAM_AFTER}
-    elif kind == "decoder:proc":  # the same decoder, its keygen and reads in a process
-        opts = {"background_warm": background_warm(args.child, args)}
-        names = {lay: f"l{lay}" for lay in ENGRAM_AFTER}
-        # the companion stays off the engine's CPU (``--engine-cpu``)
-        cpus = set(os.sched_getaffinity(0)) - {args.engine_cpu} or None
-        dec = DecoderProcess(db, names, h, batch=b, compressed=True, open_options=opts, cpus=cpus)
-        for i, lay in enumerate(ENGRAM_AFTER):
-            mods[lay] = prefetched_multi_head_embedding(dec, lay)
-            tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
     elif kind in DECODER_MODES:
-        dec = Decoder(stores, h, batch=b, prefetch=DECODER_MODES[kind], compressed=True)
+        if kind == "decoder:proc":  # the same decoder, its keygen and reads in a process
+            opts = {"background_warm": background_warm(args.child, args)}
+            names = {lay: f"l{lay}" for lay in ENGRAM_AFTER}
+            # the companion stays off the engine's CPU (``--engine-cpu``)
+            cpus = set(os.sched_getaffinity(0)) - {args.engine_cpu} or None
+            dec = DecoderProcess(
+                db, names, h, batch=b, compressed=True, open_options=opts, cpus=cpus
+            )
+        else:
+            dec = Decoder(stores, h, batch=b, prefetch=DECODER_MODES[kind], compressed=True)
         for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
             tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
@@ -651,9 +651,7 @@ def model_ids(dec: Any, lay: int, t: int) -> Any:
     decoder's local ids (`Decoder.local_ids`, a buffer it reuses) as a ``[B, t, H]`` tensor
     made once per buffer."""
     # (a `DecoderProcess`'s companion writes them by the layer's fill: no wait here)
-    buf = (
-        dec.local_ids(lay) if t > 1 or not hasattr(dec, "stats") else dec.local_ids(lay, wait=False)
-    )
+    buf = dec.local_ids(lay, wait=False) if hasattr(dec, "stats") else dec.local_ids(lay)
     c = _IDS.get(lay)
     if c is None or c[0] is not buf:
         import torch  # (here: an import statement costs inside a model step too)

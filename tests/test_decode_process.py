@@ -177,6 +177,10 @@ def test_bad_use_is_a_typed_error(two_tables: Any) -> None:
         DecoderProcess(path, {}, h, batch=2)
     with pytest.raises(engramdb.errors.TableNotFound):
         DecoderProcess(path, {2: "nope"}, h, batch=2)
+    with pytest.raises(InvalidArgument, match="cpus"):
+        DecoderProcess(path, {2: "e2"}, h, batch=2, cpus={10_000})
+    with pytest.raises(InvalidArgument, match="does not pickle"):
+        DecoderProcess(path, {2: "e2"}, lambda: None, batch=2)
     dec = DecoderProcess(path, {lay: f"e{lay}" for lay in LAYERS}, h, batch=2)
     buf = np.empty(dec.layer_shape, np.uint8)
     with pytest.raises(InvalidArgument, match="push"):

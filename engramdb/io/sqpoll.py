@@ -287,8 +287,8 @@ def polled_ring(entries: int) -> Ring:
     return ring
 
 
-#: Whether this process's threads may block in `submit_pushed` (`hold_in_caller`), and how
-#: many steps it submitted so (`held_submits`).
+#: Whether `submit_pushed` submits only a step's first entries here (`hold_in_caller`), and
+#: how many steps it submitted so (`held_submits`).
 _CALLER_HOLDS = [False]
 _HELD = [0]
 
@@ -326,11 +326,12 @@ def submit_pushed(ring: Ring, count: int, first: int = 0, lead: int = 0, after: 
             if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
                 return r
         return 0
-    held = _CALLER_HOLDS[0] and 0 < first < count and ring.unsubmitted() == count
-    if held:
+    keep = 0  # entries left in the ring for a later layer's wait (`hold_in_caller`)
+    if _CALLER_HOLDS[0] and 0 < first < count and ring.unsubmitted() == count:
+        keep = count - first
         _HELD[0] += 1
-    while ring.unsubmitted() > (count - first if held else 0):
-        r = enter(ring.fd, ring.unsubmitted() - (count - first if held else 0), 0, 0)
+    while ring.unsubmitted() > keep:
+        r = enter(ring.fd, ring.unsubmitted() - keep, 0, 0)
         if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
             return r
     return 0
