@@ -29,42 +29,25 @@ step. The companion exiting raises `ProcessExited`. ``ENGRAMDB_NATIVE=0`` or no 
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
-import select
-import subprocess
-import sys
-import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engramdb.companion_client import CompanionClient, checked_cpus
 from engramdb.database import Database
 from engramdb.database import open as open_db
 from engramdb.decode import Decoder
-from engramdb.decode_companion import (
-    CMD,
-    CONTROL,
-    DONE,
-    FAIL,
-    KEYED,
-    PUSHED,
-    STEP,
-    STOP,
-    TAKEN,
-    WAIT_NS,
-    Layout,
-)
-from engramdb.errors import InvalidArgument, InvalidDtype, ProcessExited, ShapeMismatch
-from engramdb.io.sqpoll import spin_ns, step_compiled
+from engramdb.decode_companion import DONE, KEYED, STEP, Layout
+from engramdb.errors import InvalidArgument, InvalidDtype, ShapeMismatch
+from engramdb.io.sqpoll import spin_ns
 from engramdb.read.decode_fill import fill_slices
 from engramdb.validate import one_token
 
 
-class DecoderProcess:
+class DecoderProcess(CompanionClient):
     """`Decoder` over ``tables`` (``{layer: table name}``) of the database at ``path`` (or an
     open `Database`), its keygen and reads in a companion process (see the module).
     ``preset``, ``batch``, ``prefetch``, ``compressed``: as `Decoder`'s (a `Hasher` must
@@ -83,12 +66,9 @@ class DecoderProcess:
         open_options: Mapping[str, Any] | None = None,
         cpus: set[int] | None = None,
     ):
-        self._closed = True
         if not tables:
             raise InvalidArgument("no tables given")
-        if cpus is not None and not (cpus and set(cpus) <= os.sched_getaffinity(0)):
-            mine = sorted(os.sched_getaffinity(0))
-            raise InvalidArgument(f"cpus {cpus!r} must be some of this process's CPUs {mine}")
+        checked_cpus(cpus)
         try:
             pickle.dumps(preset)
         except Exception as e:  # the companion builds its own decoder from it
@@ -115,33 +95,23 @@ class DecoderProcess:
         n = len(self.layers)
         ids = (1 if batch is None else int(batch)) * self.n_heads
         lay = Layout(n, 1 if batch is None else int(batch), ids, self.row_bytes)
-        # the compiled hand-over (`engramdb.io._submitter`), else eventfds both ways
-        notify, wait = step_compiled("notify"), step_compiled("wait_word")
-        if notify is None or wait is None:
-            notify = wait = None
-        self._notify, self._wait = notify, wait
-        fds = self._start(lay)
-        self._fds = fds
-        mm = self._mm = mmap.mmap(fds["mem"], lay.size)
-        self._words, self._tok, self._local, self._rows, data = lay.views(mm)
+        self._launch(lay.size, lay.words)
+        _, self._tok, self._local, self._rows, data = lay.views(self._mm)
         shape = ref.layer_shape
         self._local = [a.reshape(shape[:-1]) for a in self._local]
         self._data = [d.reshape(shape) for d in data]
-        self._addr = self._words.ctypes.data
         self.filled_rows: list[np.ndarray | None] = [None] * n
         self.filled_out: list[np.ndarray | None] = [None] * n
         self._row_copy = [np.empty(shape[:-1], np.int64) for _ in range(n)]
         self._slot_of = {lay: i for i, lay in enumerate(self.layers)}
         self._fills: dict[tuple[int, Any], tuple[Any, ...]] = {}
-        self._seq = 0  # hand-overs made (PUSHED)
         self._step = 0  # the hand-over of the pending step (0: none)
         self._pre: tuple[Any, ...] | None = None  # a pending prefill's rows, ids and data
-        self._failed: tuple[int, BaseException] | None = None
         self._closed = False
         config = {
-            "path": str(path), "tables": names, "preset": preset, "batch": batch,
+            "kind": "decode", "path": str(path), "tables": names, "preset": preset, "batch": batch,
             "prefetch": prefetch, "compressed": compressed, "cpus": cpus,
-            "open_options": dict(open_options or {}), "native": wait is not None,
+            "open_options": dict(open_options or {}), "native": self._wait is not None,
             "layout": (n, lay.tokens, ids, self.row_bytes), "spin": spin_ns(), "nap": 0,
         }  # fmt: skip
         try:
@@ -150,125 +120,13 @@ class DecoderProcess:
             self.close()
             raise
 
-    # -- the companion -------------------------------------------------------------------------
-    def _start(self, lay: Layout) -> dict[str, int]:
-        """Shared memory, the doorbells and the control pipes; the companion started."""
-        mem = os.memfd_create("engramdb-decode", os.MFD_CLOEXEC)
-        os.ftruncate(mem, lay.size)
-        ctl_r, ctl_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        bell, back = os.eventfd(0, os.EFD_CLOEXEC), os.eventfd(0, os.EFD_CLOEXEC)
-        mine = {"mem": mem, "ctl": ctl_w, "rep": rep_r, "bell": bell, "back": back}
-        theirs = (ctl_r, rep_w, mem, bell, back)
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)  # this engramdb, in the companion
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-m", "engramdb.decode_companion", ",".join(map(str, theirs))]
-        try:
-            self._proc = subprocess.Popen(
-                argv, pass_fds=theirs, stdin=subprocess.DEVNULL, env=env, close_fds=True
-            )
-        except BaseException:
-            for fd in (*mine.values(), ctl_r, rep_w):
-                os.close(fd)
-            raise
-        os.close(ctl_r)
-        os.close(rep_w)
-        self._ctl = os.fdopen(ctl_w, "wb")
-        self._rep = os.fdopen(rep_r, "rb")
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._ctl, self._rep,
-                                           bell, back, mem)  # fmt: skip
-        return mine
+    _what = "decode process"
 
-    def _ring(self, cmd: int) -> None:
-        """Hand over: the command, PUSHED up by one, the doorbell where not watched (the
-        tokens, where a step, written already: after `_taken`)."""
-        self._words[CMD] = cmd
-        self._seq += 1
-        if self._notify is not None:
-            if self._notify(self._addr, self._fds["bell"], 1) < 0:
-                raise ProcessExited("the decode process's doorbell failed")
-        else:
-            self._words[PUSHED] = self._seq
-            os.eventfd_write(self._fds["bell"], 1)
-
-    def _taken(self) -> None:
-        """Wait until the companion has taken the last hand-over (its command and tokens), so
-        that the next may overwrite them: two pushes in a row both reach its keygen."""
-        if self._seq and self._words[TAKEN] < self._seq:
-            self._await(TAKEN, self._seq, fail=False)
-
-    def _control(self, msg: tuple[Any, ...]) -> Any:
-        """Send a control message and wait for its reply (raising the companion's error)."""
-        self._check()
-        self._taken()
-        try:
-            pickle.dump(msg, self._ctl, protocol=pickle.HIGHEST_PROTOCOL)
-            self._ctl.flush()
-        except OSError as e:  # the companion is gone (its end of the pipe closed)
-            raise self._exited() from e
-        self._ring(CONTROL)
-        while True:
-            kind, seq, value = self._receive()
-            if kind == "error" and seq != self._seq:  # a step's error nobody waited for
-                continue
-            if kind == "error":
-                raise value
-            return value
-
-    def _receive(self) -> tuple[str, int, Any]:
-        try:
-            return pickle.load(self._rep)  # type: ignore[no-any-return]
-        except (EOFError, OSError, pickle.UnpicklingError) as e:
-            raise self._exited() from e
-
-    def _exited(self) -> ProcessExited:
-        code = self._proc.poll()
-        return ProcessExited(f"the decode process exited (code {code})")
-
-    def _check(self) -> None:
-        if self._closed:
-            raise InvalidArgument("the DecoderProcess is closed")
-
-    def _await(self, index: int, seq: int | None = None, fail: bool = True) -> None:
-        """Wait until word ``index`` reaches hand-over ``seq`` (None: the pending step);
-        raise the step's error (``fail``)."""
-        if seq is None:
-            seq = self._step
-            if seq == 0:
-                raise InvalidArgument("no pending step: push() first")
-            failed = self._failed
-            if failed is not None and failed[0] == seq:
-                raise failed[1]
-        while True:
-            if self._wait is not None:
-                r = self._wait(self._addr, index, seq, FAIL if fail else -1, WAIT_NS)
-            else:
-                r = self._await_slow(index, seq, fail)
-            if r == 1:
-                return
-            if r == -1:
-                self._raise_failed(seq)
-            if self._proc.poll() is not None:
-                raise self._exited()
-
-    def _await_slow(self, index: int, seq: int, fail: bool) -> int:
-        words, back = self._words, self._fds["back"]
-        while True:
-            if words[index] >= seq:
-                return 1
-            if fail and words[FAIL] >= seq:
-                return -1
-            if not select.select([back], [], [], WAIT_NS / 1e9)[0]:
-                return 0
-            os.eventfd_read(back)
-
-    def _raise_failed(self, seq: int) -> None:
-        while True:
-            kind, s, value = self._receive()
-            if kind == "error" and s == seq:
-                self._failed = (seq, value)
-                raise value
+    def _await_step(self, index: int) -> None:
+        """Wait until word ``index`` reaches the pending step (raising the step's error)."""
+        if self._step == 0:
+            raise InvalidArgument("no pending step: push() first")
+        self._await(index, self._step)
 
     # -- the decoder's surface -------------------------------------------------------------------
     @property
@@ -345,7 +203,7 @@ class DecoderProcess:
         if self._pre is not None:
             return self._pre[1][j]  # type: ignore[no-any-return]
         if wait:
-            self._await(KEYED)
+            self._await_step(KEYED)
         return self._local[j]
 
     def row_ids(self, layer: int | None = None) -> np.ndarray:
@@ -353,7 +211,7 @@ class DecoderProcess:
         j = self._slot(layer)
         if self._pre is not None:
             return self._pre[0][j]  # type: ignore[no-any-return]
-        self._await(KEYED)
+        self._await_step(KEYED)
         return self._rows[j].reshape(self._local[j].shape).copy()
 
     def fill(self, out: np.ndarray, *, layer: int | None = None) -> np.ndarray:
@@ -368,7 +226,7 @@ class DecoderProcess:
                 np.copyto(dest, self._pre[2][j].reshape(dest.shape))
                 self.filled_rows[j] = self._pre[0][j]
             else:
-                self._await(DONE + j)
+                self._await_step(DONE + j)
                 np.copyto(dest, self._data[j].reshape(dest.shape))
                 np.copyto(self._row_copy[j], self._rows[j].reshape(self._row_copy[j].shape))
                 self.filled_rows[j] = self._row_copy[j]
@@ -401,38 +259,11 @@ class DecoderProcess:
         self._closed = True
         self._fills.clear()
         self._local = self._rows = self._data = []  # views of the mapping, released first
-        self._words = self._tok = np.empty(0, np.int64)
-        self._finalizer()
+        self._tok = np.empty(0, np.int64)
+        self._close_companion()
         if self._own_db:
             self._db.close()
-
-    def __enter__(self) -> DecoderProcess:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"pid {self._proc.pid}"
         return f"DecoderProcess(layers={self.layers}, batch={self.batch}, {state})"
-
-
-def _shutdown(proc: subprocess.Popen[bytes], ctl: Any, rep: Any, *fds: int) -> None:
-    """Ring STOP, wait for the companion (killed after 5 s), close the descriptors."""
-    bell = fds[0]
-    try:
-        os.eventfd_write(bell, STOP)
-        proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
-    for f in (ctl, rep):
-        try:
-            f.close()
-        except OSError:
-            pass
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass

@@ -23,7 +23,7 @@ from engramdb.read.step_plan import StepTicket
 from engramdb.read.steps import StepReader
 from engramdb.rowcodec import codec_for
 from engramdb.table_api import RowTable
-from engramdb.torch_rows import RowDecoder, ids_to_numpy
+from engramdb.torch_rows import Hot, RowDecoder, ids_to_numpy
 from engramdb.validate import SmallBounds, unsigned_max
 
 try:
@@ -100,34 +100,6 @@ class DiskEmbedding(_DiskTable):
         )
 
 
-class _Hot:
-    """A `DiskMultiHeadEmbedding`'s per-call state and counters (a plain object)."""
-
-    __slots__ = (
-        "mapped",
-        "prefetched",
-        "read",
-        "prefetches",
-        "from_prefetch",
-        "resident_skips",
-        "ticket",
-        "ticket_ids",
-        "ticket_src",
-        "view_cache",
-    )
-
-    def __init__(self) -> None:
-        self.mapped = self.prefetched = self.read = self.prefetches = self.from_prefetch = 0
-        self.resident_skips = 0
-        self.ticket: Any = None
-        self.ticket_ids: np.ndarray | None = None
-        #: the ids tensor the pending prefetch was given, its version and its rows' shape
-        #: (None: not a CPU int64 ``[B, L, H]`` tensor): a forward of that very tensor,
-        #: unchanged, needs no second check
-        self.ticket_src: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
-        self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
-
-
 class DiskMultiHeadEmbedding(_DiskTable):
     """Per-head lookup: int64 local ids ``[B, L, H]`` → ``[B, L, H, dim]``.
 
@@ -142,6 +114,9 @@ class DiskMultiHeadEmbedding(_DiskTable):
     output is a view of that fill buffer (no copy, no read); otherwise it falls back to a
     synchronous read. ``served_prefetched`` / ``served_read`` count the two. The view is valid
     until the next `fill` overwrites the buffer (the layer consumes it within the step).
+
+    ``process=``: a `engramdb.prefetch_process.PrefetchProcess` serving this table: every
+    `prefetch` of up to its ``max_rows`` rows is read there (the forward copies them out).
     """
 
     offsets: torch.Tensor
@@ -155,6 +130,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         dim: int | None = None,
         decoder: Any = None,
         layer: int | None = None,
+        process: Any = None,
     ):
         self._slot = 0
         if decoder is not None:
@@ -232,7 +208,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 raw = torch.from_numpy(self._table_np)
             self._table_t = raw.view(self._decode.value_dtype)  # [n_rows, dim]
         # Per-call state in a plain object: ``nn.Module.__setattr__`` costs microseconds.
-        self._hot = _Hot()
+        self._hot = Hot()
         # Cold rows of a table that is one mapped array are prefetched by a step reader
         # (O_DIRECT through the process's io_uring polling thread: nothing for this thread
         # to wait for); others by the table's prefetcher.
@@ -242,6 +218,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
         #: has become resident (then the forward reads it, and prefetches stop).
         self.resident_recheck_s = 0.1
         self._checked_at = -float("inf")
+        self._proc = process
+        self._proc_slot = process.slot(store) if process is not None else -1
 
     @property
     def served_mapped(self) -> int:
@@ -308,7 +286,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
         or a table the forward will gather from the mapping (its read rule in the mapped
         state: resident, and no slow gather since; a thread hand-off would cost more than
         the gather, counted in `prefetch_skips`) — never while the table's background warm
-        reads it. A second call replaces a pending one."""
+        reads it. A second call replaces a pending one. With ``process=``, the rows are read in
+        that process (always: it decides resident or cold)."""
         pf = getattr(self.store, "prefetcher", None)
         flat, shape = self._global(local_ids)
         if pf is None or flat is None:
@@ -318,7 +297,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if old is not None:
             old.cancel()
             hot.ticket = hot.ticket_ids = hot.ticket_src = None
-        if self._fast and not self._warming():
+        proc = self._proc
+        if proc is not None and flat.size <= proc.max_rows:
+            ticket: Any = proc.request(self._proc_slot, flat)
+        elif self._fast and not self._warming():
             # (while the table's background warm reads it, a sample of resident rows says
             # little and the forward's gather from the mapping faults on the rest: at B=8 6
             # major faults a step, the forward 1 ms; the rows come from the device instead)
@@ -335,17 +317,8 @@ class DiskMultiHeadEmbedding(_DiskTable):
                 if self.store.rows_resident(flat):  # type: ignore[attr-defined]
                     hot.resident_skips += 1
                     return False
-        ticket: Any = None
-        if self._reader_ok:
-            reader = self._reader
-            if reader is None:
-                reader = self._reader = StepReader()
-            ticket = StepTicket(flat)
-            store: Any = self.store  # a local table: `_fast` holds
-            if not reader.submit([(store, flat, ticket)], ordered=True):
-                ticket = None
-        if ticket is None:
-            ticket = pf.submit_trusted(flat, keep_rows=True)
+        if proc is None or flat.size > proc.max_rows:
+            ticket = self._submit(flat, pf)
         hot.ticket = ticket
         hot.ticket_ids = flat
         if shape is None:  # not a CPU int64 [B, L, H] tensor
@@ -354,6 +327,18 @@ class DiskMultiHeadEmbedding(_DiskTable):
             hot.ticket_src = (local_ids, local_ids._version, shape)  # noqa: SLF001
         hot.prefetches += 1
         return True
+
+    def _submit(self, flat: np.ndarray, pf: Any) -> Any:
+        """Start reading rows ``flat`` here: the step reader's ticket, else the prefetcher's."""
+        if self._reader_ok:
+            reader = self._reader
+            if reader is None:
+                reader = self._reader = StepReader()
+            ticket = StepTicket(flat)
+            store: Any = self.store  # a local table: `_fast` holds
+            if reader.submit([(store, flat, ticket)], ordered=True):
+                return ticket
+        return pf.submit_trusted(flat, keep_rows=True)
 
     def _take_ticket(self, flat: np.ndarray, dest: np.ndarray, same: bool = False) -> bool:
         """Serve ``flat`` from the pending `prefetch` when it asked for exactly these rows
@@ -369,6 +354,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
             return False
         if t.cancel():  # still queued: read here
             return False
+        if self._proc is not None and type(t) is not StepTicket and hasattr(t, "finish_into"):
+            t.finish_into(dest)  # read by the process (raises a failed read's error)
+            hot.from_prefetch += 1
+            return True
         reader = self._reader
         if type(t) is StepTicket and reader is not None and t.reader is reader:
             # straight from the step reader's staging buffer into ``dest`` (one copy a row;

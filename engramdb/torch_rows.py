@@ -19,7 +19,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
-__all__ = ["RowDecoder", "ids_to_numpy", "torch_dtype"]
+__all__ = ["Hot", "RowDecoder", "ids_to_numpy", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -69,3 +69,31 @@ class RowDecoder:
         if self.scale is not None:
             out = out * self.scale
         return out.to(self.out_dtype)
+
+
+class Hot:
+    """A `DiskMultiHeadEmbedding`'s per-call state and counters (a plain object)."""
+
+    __slots__ = (
+        "mapped",
+        "prefetched",
+        "read",
+        "prefetches",
+        "from_prefetch",
+        "resident_skips",
+        "ticket",
+        "ticket_ids",
+        "ticket_src",
+        "view_cache",
+    )
+
+    def __init__(self) -> None:
+        self.mapped = self.prefetched = self.read = self.prefetches = self.from_prefetch = 0
+        self.resident_skips = 0
+        self.ticket: Any = None
+        self.ticket_ids: np.ndarray | None = None
+        #: the ids tensor the pending prefetch was given, its version and its rows' shape
+        #: (None: not a CPU int64 ``[B, L, H]`` tensor): a forward of that very tensor,
+        #: unchanged, needs no second check
+        self.ticket_src: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
+        self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None

@@ -42,6 +42,10 @@ started by its first cold read or prefetch, or by its first faulting mapped read
 * ``module``: `engramdb.torch.DiskMultiHeadEmbedding` in place of it, synchronous reads.
 * ``module+pf``: the same module; right after sampling, the model hashes the next token and calls
   ``module.prefetch(ids)`` for each layer, so the read overlaps the blocks before the layer.
+* ``module+pf:proc``: the same, the prefetches read in a companion process
+  (`PrefetchProcess`, opened with the arm's options and kept off ``--engine-cpu``): a prefetch
+  is a copy of the ids into shared memory and one atomic add, the forward waits for the
+  companion's word for that table and copies the rows out.
 * ``decoder``: `Decoder(prefetch="auto")` pushed each sampled token at once (keygen + prefetch
   submit; the model takes the decoder's local ids, `Decoder.local_ids`), ``fill(buf, layer=)``
   right before each layer into a buffer of that layer's own (`Decoder.layer_shape`), and the
@@ -185,7 +189,7 @@ DECODER_MODES: dict[str, Any] = {
     "decoder:proc": "auto",
 }
 #: Every arm kind (``ram:twin`` is the kind ``twin``).
-KINDS = frozenset({"ram", "host", "twin", "module", "module+pf", *DECODER_MODES})
+KINDS = frozenset({"ram", "host", "twin", "module", "module+pf", "module+pf:proc", *DECODER_MODES})
 
 
 def parse_arm(arm: str) -> tuple[str, str, bool]:
@@ -406,6 +410,7 @@ def child(args: argparse.Namespace) -> None:
     from engramdb import keygen
     from engramdb.decode import Decoder
     from engramdb.decode_process import DecoderProcess
+    from engramdb.prefetch_process import PrefetchProcess
     from engramdb.testing.pages import file_residency
     from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
 
@@ -446,6 +451,8 @@ def child(args: argparse.Namespace) -> None:
     # read (or its first faulting mapped read); --no-background-warm measures without it.
     db = engramdb.open(root / "db", background_warm=background_warm(args.child, args))
     stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
+    stores_names = [f"l{lay}" for lay in ENGRAM_AFTER]
+    procs = None  # the module arm's `PrefetchProcess` (module+pf:proc)
     dec = None
     mods: dict[int, Any] = {}  # EngramDB's modules (prefetch calls, counters)
     tables: dict[int, Any] = {}  # what the model's layers call
@@ -469,16 +476,20 @@ def child(args: argparse.Namespace) -> None:
         for i, lay in enumerate(ENGRAM_AFTER):
             mods[lay] = prefetched_multi_head_embedding(dec, lay)
             tables[lay] = e2e_gpu.decoder_rows_module(mods[lay], stager, i) if gpu else mods[lay]
-    else:  # module, module+pf (`parse_arm` refuses any other kind)
+    else:  # module, module+pf[:proc] (`parse_arm` refuses any other kind)
+        if kind == "module+pf:proc":  # the module's prefetches read in a process
+            opts = {"background_warm": background_warm(args.child, args)}
+            cpus = set(os.sched_getaffinity(0)) - {args.engine_cpu} or None
+            procs = PrefetchProcess(db, list(stores_names), open_options=opts, cpus=cpus)
         for lay in ENGRAM_AFTER:
-            mods[lay] = DiskMultiHeadEmbedding(stores[lay])
+            mods[lay] = DiskMultiHeadEmbedding(stores[lay], process=procs)
             tables[lay] = e2e_gpu.staged_module(mods[lay], stager, lay) if gpu else mods[lay]
     for lay, t in tables.items():
         model.set_table(lay, t)
     if state == "warm+pop":  # this process's mapping populated too (RssFile: the table)
         for st in stores.values():
             st.populate()
-    prefetch_module = kind == "module+pf"
+    prefetch_module = kind.startswith("module+pf")
     bufs: dict[str, np.ndarray] = {}
     fill_layer = None
     if dec is not None:
@@ -578,15 +589,16 @@ def child(args: argparse.Namespace) -> None:
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
         pdoc["irq_cpus"] = sorted(irq_cpus)
-        pdoc.update(arm_state(stores, dec, mods, kind))
+        pdoc.update(arm_state(stores, dec, mods, kind, procs))
         # which memory held the tables: the A/A control holds two anonymous copies, an
         # EngramDB arm one (the in-RAM side's) and its mapping's pages as file memory
         pdoc.update(proc_status())
         pdoc["resident_after"] = float(
             np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER])
         )
-        if isinstance(dec, DecoderProcess):
-            dec.close()
+        for companion in (dec, procs):
+            if isinstance(companion, (DecoderProcess, PrefetchProcess)):
+                companion.close()
         db.close()
         print("RESULT " + json.dumps(pdoc))
         return
@@ -602,25 +614,32 @@ def child(args: argparse.Namespace) -> None:
         "irq_cpus": sorted(irq_cpus),
         **proc_status(),
     }
-    doc.update(arm_state(stores, dec, mods, kind))
-    if isinstance(dec, DecoderProcess):
-        dec.close()
+    doc.update(arm_state(stores, dec, mods, kind, procs))
+    for companion in (dec, procs):
+        if isinstance(companion, (DecoderProcess, PrefetchProcess)):
+            companion.close()
     db.close()
     print("RESULT " + json.dumps(doc))
 
 
-def arm_state(stores: dict[int, Any], dec: Any, mods: dict[int, Any], kind: str) -> dict[str, Any]:
+def arm_state(
+    stores: dict[int, Any], dec: Any, mods: dict[int, Any], kind: str, procs: Any = None
+) -> dict[str, Any]:
     """What an arm's tables and decoder did by the end: the share of steps prefetched, the
     auto rule's switches, the hook's misses, the background warm's bytes."""
     doc: dict[str, Any] = {}
-    st = dec.stats() if hasattr(dec, "stats") else None  # a `DecoderProcess`: its companion's
+    # a `DecoderProcess` or `PrefetchProcess`: its companion's
+    st = dec.stats() if hasattr(dec, "stats") else procs.stats() if procs is not None else None
     if dec is not None:
         d = st if st is not None else {"prefetched": dec.prefetched, "steps": dec.steps}
         doc["prefetched_share"] = d["prefetched"] / max(1, d["steps"] * len(dec.layers))
         doc["auto_switches"] = st["auto_switches"] if st is not None else dec.auto_switches
         doc["served_read"] = sum(m.served_read for m in mods.values())
         doc["served_prefetched"] = sum(m.served_prefetched for m in mods.values())
-    if kind == "module+pf":
+    if procs is not None and st is not None:  # what its companion did with the requests
+        for k in ("requests", "read", "gathered"):
+            doc[f"companion_{k}"] = st[k]
+    if kind.startswith("module+pf"):
         doc["module_prefetches"] = sum(m.prefetches for m in mods.values())
     if kind not in ("ram", "twin", "host"):
         c = st["counters"] if st is not None else [s.counters() for s in stores.values()]
@@ -759,7 +778,7 @@ def paired_steps(
             return total
 
     ram = Side(ram_mods, {}, None, False)
-    arm = Side(tables, mods, dec, args.child.endswith("module+pf"))
+    arm = Side(tables, mods, dec, "module+pf" in args.child)
     with torch.no_grad():
         arm.start()  # first: the cold arm's first reads are part of what is measured
         ram.start()

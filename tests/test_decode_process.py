@@ -15,7 +15,7 @@ import pytest
 from test_decode import _make_cold, build_for, small_qwen, tokens
 
 import engramdb
-from engramdb import decode_process
+from engramdb import companion_client, decode_companion
 from engramdb.decode_process import DecoderProcess
 from engramdb.errors import (
     InvalidArgument,
@@ -36,7 +36,7 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
         if step_compiled("wait_word") is None:
             pytest.skip("engramdb.io._submitter is not built")
     else:
-        monkeypatch.setattr(decode_process, "step_compiled", lambda name: None)
+        monkeypatch.setattr(companion_client, "step_compiled", lambda name: None)
     return str(request.param)
 
 
@@ -252,7 +252,7 @@ def test_the_compiled_waits() -> None:
     try:
         assert notify(addr, bell, 2) == 1  # nobody watching: the doorbell rang
         assert pushed(addr, bell, 0, 0, 0) == 2
-        os.eventfd_write(bell, decode_process.STOP)
+        os.eventfd_write(bell, decode_companion.STOP)
         assert pushed(addr, bell, 2, 0, 0) == -1
     finally:
         os.close(bell)
