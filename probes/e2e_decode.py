@@ -932,6 +932,12 @@ class ArmFailed(Exception):
     ``--arm-timeout``."""
 
 
+def _ratio(times: list[tuple[float, float]]) -> float:
+    """In-RAM over arm time summed over paired blocks ``(in-RAM, arm)`` (nan: none)."""
+    arm = sum(t[1] for t in times)
+    return sum(t[0] for t in times) / arm if arm else float("nan")
+
+
 def run_child(cmd: list[str], what: str, timeout: float) -> dict[str, Any]:
     """Run a child of this probe; the JSON of its last ``RESULT`` line."""
     try:
@@ -1250,9 +1256,16 @@ def run_batch(
             )
             lo, mid, hi = pooled_ratio([t for p in ps for t in p["paired_block_times"]])
             rows[arm]["paired_pooled"] = [lo, mid, hi]
+            # per rep, each block's (in-RAM, arm) seconds: where in the run the time went
+            rows[arm]["paired_block_times"] = [p["paired_block_times"] for p in ps]
+            early = [_ratio(p["paired_block_times"][:4]) for p in ps]
+            late = [_ratio(p["paired_block_times"][4:]) for p in ps]
             print(
                 f"                        pooled over the reps' blocks: {mid:.3f}x "
-                f"(95% bootstrap interval {lo:.3f}-{hi:.3f})"
+                f"(95% bootstrap interval {lo:.3f}-{hi:.3f}); per rep, the first 4 blocks "
+                + " ".join(f"{x:.3f}" for x in early)
+                + ", the rest "
+                + " ".join(f"{x:.3f}" for x in late)
             )
             gaps = []
             for p in ps:  # where the arm's extra time a step went
