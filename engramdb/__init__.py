@@ -36,6 +36,7 @@ _LAZY: dict[str, str] = {
     "open": "engramdb.database",
     "Decoder": "engramdb.decode",
     "DecoderProcess": "engramdb.decode_process",
+    "PrefetchProcess": "engramdb.prefetch_process",
     "EngramStore": "engramdb.integrations.engramstore",
     "EngramStoreConfig": "engramdb.integrations.engramstore",
     "open_mooncake": "engramdb.integrations.mooncake",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from engramdb.integrations.mooncake import open_mooncake
     from engramdb.io import IoUringPageReader, PageReader
     from engramdb.keygen.seq import rowids_for_seq, rowids_for_seq_with_history
+    from engramdb.prefetch_process import PrefetchProcess
     from engramdb.read.prefetch import Prefetcher, Ticket
     from engramdb.store import Store
     from engramdb.stream import stream
@@ -120,6 +122,7 @@ __all__ = [
     "Database",
     "Decoder",
     "DecoderProcess",
+    "PrefetchProcess",
     "EngramDBError",
     "EngramStore",
     "EngramStoreConfig",

@@ -35,19 +35,21 @@ import numpy as np
 from engramdb.companion_client import CompanionClient, checked_cpus
 from engramdb.database import Database
 from engramdb.database import open as open_db
-from engramdb.decode_companion import DONE, STEP, RowsLayout
-from engramdb.errors import InvalidArgument
-from engramdb.io.sqpoll import spin_ns
+from engramdb.decode_companion import CMD, DONE, STEP, TAKEN, RowsLayout
+from engramdb.errors import InvalidArgument, ProcessExited
+from engramdb.io.sqpoll import spin_ns, step_compiled
 
 
 class RowsTicket:
     """One table's pending request in a `PrefetchProcess` (a module keeps it until its
     forward): `finish_into` waits for the rows and copies them."""
 
-    __slots__ = ("proc", "slot", "seq", "n")
+    __slots__ = ("proc", "slot", "seq", "n", "ids")
 
-    def __init__(self, proc: PrefetchProcess, slot: int, seq: int, n: int):
+    def __init__(self, proc: PrefetchProcess, slot: int, seq: int, n: int, ids: np.ndarray):
         self.proc, self.slot, self.seq, self.n = proc, slot, seq, n
+        #: the request's global row ids (a view of the slot: valid until its next request)
+        self.ids = ids
 
     def cancel(self) -> bool:
         """False: a request handed over is never withdrawn (a later one replaces it)."""
@@ -101,6 +103,9 @@ class PrefetchProcess(CompanionClient):
         self._launch(lay.size, lay.words)
         _, self._ids, self._data = lay.views(self._mm)
         self._last = [0] * len(names)  # per table: the hand-over of its last request
+        # the compiled hand-over of a module's ids (`hand`), None with the eventfds
+        self._hand = step_compiled("hand_rows") if self._wait is not None else None
+        self._dest = [a.ctypes.data for a in self._ids]
         self._closed = False
         config = {
             "kind": "rows", "path": str(db.path), "tables": names, "max_rows": max_rows,
@@ -139,7 +144,33 @@ class PrefetchProcess(CompanionClient):
         words[lay.count + slot] = n
         words[lay.req + slot] = self._seq + 1  # (the hand-over `_ring` makes next)
         seq = self._last[slot] = self._ring(STEP)
-        return RowsTicket(self, slot, seq, n)
+        return RowsTicket(self, slot, seq, n, self._ids[slot][:n])
+
+    def hand(
+        self, slot: int, address: int, n: int, bounds: bytes, offsets: bytes
+    ) -> RowsTicket | None:
+        """`request` of the ``n`` int64 local ids at ``address`` (a contiguous ``[..., H]``
+        tensor's data, 0 < n <= `max_rows`): checked below each head's ``bounds`` and made
+        global by ``offsets`` straight into the slot, in one compiled call. None where an id
+        is out of range (nothing handed over); raises `InvalidArgument` where the compiled
+        hand-over is not built (use `request`)."""
+        hand = self._hand
+        if hand is None or self._closed:
+            self._check()
+            raise InvalidArgument("no compiled hand-over here: use request()")
+        last = self._last[slot]
+        if last and self._words[TAKEN] < last:
+            self._taken(last)  # the companion has copied the slot's last ids
+        lay = self._layout
+        seq = self._seq + 1
+        r = hand(self._addr, self._fds["bell"], address, n, bounds, offsets, self._dest[slot],
+                 CMD, STEP, lay.count + slot, lay.req + slot, seq)  # fmt: skip
+        if r == 2:
+            return None
+        if r < 0:
+            raise ProcessExited(f"the {self._what}'s doorbell failed")
+        self._seq = self._last[slot] = seq
+        return RowsTicket(self, slot, seq, n, self._ids[slot][:n])
 
     def finish_into(self, t: RowsTicket, dest: np.ndarray) -> None:
         """Wait for ticket ``t``'s rows and copy them into ``dest`` (raising its read's error)."""

@@ -23,7 +23,7 @@ from engramdb.read.step_plan import StepTicket
 from engramdb.read.steps import StepReader
 from engramdb.rowcodec import codec_for
 from engramdb.table_api import RowTable
-from engramdb.torch_rows import Hot, RowDecoder, ids_to_numpy
+from engramdb.torch_rows import Hot, RowDecoder, hand_over, ids_to_numpy
 from engramdb.validate import SmallBounds, unsigned_max
 
 try:
@@ -220,6 +220,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         self._checked_at = -float("inf")
         self._proc = process
         self._proc_slot = process.slot(store) if process is not None else -1
+        self._keys = (self._n_heads, self._bounds_bytes, self._offsets_bytes, self._rb)
 
     @property
     def served_mapped(self) -> int:
@@ -288,6 +289,11 @@ class DiskMultiHeadEmbedding(_DiskTable):
         the gather, counted in `prefetch_skips`) — never while the table's background warm
         reads it. A second call replaces a pending one. With ``process=``, the rows are read in
         that process (always: it decides resident or cold)."""
+        proc = self._proc
+        if proc is not None and proc._hand is not None:  # noqa: SLF001
+            done = hand_over(self._hot, local_ids, proc, self._proc_slot, self._keys)
+            if done is not None:
+                return done
         pf = getattr(self.store, "prefetcher", None)
         flat, shape = self._global(local_ids)
         if pf is None or flat is None:
@@ -297,7 +303,6 @@ class DiskMultiHeadEmbedding(_DiskTable):
         if old is not None:
             old.cancel()
             hot.ticket = hot.ticket_ids = hot.ticket_src = None
-        proc = self._proc
         if proc is not None and flat.size <= proc.max_rows:
             ticket: Any = proc.request(self._proc_slot, flat)
         elif self._fast and not self._warming():

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from engramdb.errors import InvalidDtype, MissingDependency
+from engramdb.read.step_plan import StepTicket
 from engramdb.rowcodec import RowCodec
 
 try:
@@ -19,7 +20,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
-__all__ = ["Hot", "RowDecoder", "ids_to_numpy", "torch_dtype"]
+__all__ = ["Hot", "RowDecoder", "hand_over", "ids_to_numpy", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -97,3 +98,36 @@ class Hot:
         #: unchanged, needs no second check
         self.ticket_src: tuple[torch.Tensor, int, tuple[int, ...]] | None = None
         self.view_cache: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None
+
+
+def hand_over(hot: Hot, local_ids: Any, proc: Any, slot: int, keys: tuple[Any, ...]) -> bool | None:
+    """A `DiskMultiHeadEmbedding.prefetch` through its process's compiled hand-over
+    (`PrefetchProcess.hand`): a contiguous CPU int64 ``[B, L, H]`` tensor of at most its
+    ``max_rows`` ids, checked and made global straight into the table's slot in one call, its
+    ticket kept in ``hot``. ``keys``: the module's heads, bounds and offsets as bytes, and row
+    bytes. None: not such a tensor (the general path); False: an id out of range."""
+    heads, bounds, offsets, rb = keys
+    if not (
+        type(local_ids) is torch.Tensor
+        and local_ids.dtype is torch.int64
+        and local_ids.is_cpu
+        and local_ids.dim() == 3
+        and local_ids.is_contiguous()
+    ):
+        return None
+    n = local_ids.numel()
+    shape = local_ids.shape
+    if n > proc.max_rows or shape[2] != heads or n == 0:
+        return None
+    old = hot.ticket
+    if old is not None and type(old) is StepTicket:
+        old.cancel()
+    hot.ticket = hot.ticket_ids = hot.ticket_src = None
+    t = proc.hand(slot, local_ids.data_ptr(), n, bounds, offsets)
+    if t is None:  # an id out of range: nothing started (the forward raises)
+        return False
+    hot.ticket, hot.ticket_ids = t, t.ids
+    # with torch's counter of in-place changes to it (what autograd checks)
+    hot.ticket_src = (local_ids, local_ids._version, (*shape, rb))  # noqa: SLF001
+    hot.prefetches += 1
+    return True

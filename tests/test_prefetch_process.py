@@ -24,6 +24,7 @@ from engramdb import companion_client  # noqa: E402
 from engramdb.errors import (  # noqa: E402
     InvalidArgument,
     ProcessExited,
+    RowIdOutOfRange,
     TableNotFound,
     TruncatedFile,
 )
@@ -103,12 +104,21 @@ def test_replaced_mismatched_and_oversized_prefetches(tmp_path: Path) -> None:
         assert m.prefetch(a)  # other ids in the forward: read here, right
         assert torch.equal(m(b), want(b)) and m.served_from_prefetch == 1
         assert torch.equal(m(a), want(a))  # no prefetch pending: read here
+        bad = a.clone()
+        bad[0, 0, 1] = -1
+        assert not m.prefetch(bad)  # out of range: nothing handed over, the forward raises
+        with pytest.raises(RowIdOutOfRange):
+            m(bad)
+        # a strided tensor of ids: checked and handed over by the general path
+        wide = torch.cat([a, a], dim=2)[:, :, : a.shape[2]]
+        assert not wide.is_contiguous() and m.prefetch(wide)
+        assert torch.equal(m(wide), want(a)) and m.served_from_prefetch == 2
         # a prefill's 2 x 39 x H ids are more than max_rows: this process's own prefetch (or
         # none: its table is resident by now)
         big = torch.from_numpy(h.local_ids(toks[:, :39], layer=1).copy())
         assert big.numel() > proc.max_rows
         m.prefetch(big)
-        assert torch.equal(m(big), want(big)) and proc.stats()["requests"] == 3
+        assert torch.equal(m(big), want(big)) and proc.stats()["requests"] == 4
 
 
 def test_a_failed_read_raises_its_error_from_the_forward(tmp_path: Path) -> None:

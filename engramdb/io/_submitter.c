@@ -351,6 +351,60 @@ static PyObject *notify(PyObject *self, PyObject *args) {
 }
 
 
+/* hand_rows(state, event_fd, ids_address, n, bounds, offsets, dest_address, cmd_index, cmd,
+ *           count_index, request_index, request) -> 1 or 0 as notify, 2: an id out of its
+ *   head's range or n not a multiple of the heads (nothing written), -errno: the doorbell.
+ *   A module's prefetch handed to its prefetch process in one call: the n int64 local ids at
+ *   ids_address (id i of head i % H, checked below bounds[head] as unsigned: a negative id
+ *   is huge) plus their head's offset written to the int64 slot at dest_address, then the
+ *   words cmd_index = cmd, count_index = n, request_index = request, and one hand-over
+ *   (notify's, count 1). */
+static PyObject *hand_rows(PyObject *self, PyObject *args) {
+    unsigned long long addr, ids_addr, dest_addr;
+    int efd;
+    Py_ssize_t n;
+    Py_buffer b, off;
+    long long cmd_i, cmd, count_i, req_i, req;
+    if (!PyArg_ParseTuple(args, "KiKny*y*KLLLLL", &addr, &efd, &ids_addr, &n, &b, &off,
+                          &dest_addr, &cmd_i, &cmd, &count_i, &req_i, &req))
+        return NULL;
+    Py_ssize_t h = b.len / 8;
+    const int64_t *ids = (const int64_t *)(uintptr_t)ids_addr;
+    int ok = h > 0 && off.len == b.len && n > 0 && n % h == 0 && ids != NULL && dest_addr;
+    if (ok) {
+        const uint64_t *bounds = (const uint64_t *)b.buf;
+        const int64_t *offs = (const int64_t *)off.buf;
+        for (Py_ssize_t i = 0; ok && i < n; i += h)
+            for (Py_ssize_t j = 0; j < h; j++)
+                if ((uint64_t)ids[i + j] >= bounds[j]) {
+                    ok = 0;
+                    break;
+                }
+        if (ok) {
+            int64_t *dst = (int64_t *)(uintptr_t)dest_addr;
+            for (Py_ssize_t i = 0; i < n; i += h)
+                for (Py_ssize_t j = 0; j < h; j++)
+                    dst[i + j] = (int64_t)((uint64_t)ids[i + j] + (uint64_t)offs[j]);
+        }
+    }
+    PyBuffer_Release(&off);
+    PyBuffer_Release(&b);
+    if (!ok) return PyLong_FromLong(2);
+    int64_t *st = (int64_t *)(uintptr_t)addr;
+    __atomic_store_n(&st[cmd_i], cmd, __ATOMIC_RELAXED);
+    __atomic_store_n(&st[count_i], (int64_t)n, __ATOMIC_RELAXED);
+    __atomic_store_n(&st[req_i], req, __ATOMIC_RELAXED);
+    __atomic_store_n(&st[AT_NS], now_ns(), __ATOMIC_RELAXED);
+    __atomic_store_n(&st[FIRST], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&st[LEAD], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&st[AFTER], 0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&st[PUSHED], 1, __ATOMIC_SEQ_CST); /* releases the ids and words */
+    if (__atomic_load_n(&st[AWAKE], __ATOMIC_SEQ_CST)) return PyLong_FromLong(0);
+    uint64_t one = 1;
+    if (write(efd, &one, sizeof one) != (ssize_t)sizeof one) return PyLong_FromLong(-errno);
+    return PyLong_FromLong(1);
+}
+
 /* The words a decode process's loop keeps its pace in (after notify's, below STATE_WORDS). */
 enum { PACE_LAST = 10, PACE_PERIOD = 11, PACE_DEV = 12 };
 
@@ -373,9 +427,19 @@ static PyObject *wait_pushed(PyObject *self, PyObject *args) {
         int64_t p = __atomic_load_n(&st[PUSHED], __ATOMIC_SEQ_CST);
         if (p != done) {
             int64_t t = __atomic_load_n(&st[AT_NS], __ATOMIC_RELAXED);
-            learn_pace(&st[PACE_LAST], &st[PACE_PERIOD], &st[PACE_DEV], t ? t : now_ns());
+            if (!t) t = now_ns();
+            /* a hand-over within an eighth of the pace (and 0.5 ms) of the last is part of
+             * the same step (a module's prefetch of each layer): the step's pace is kept */
+            int64_t d = t - st[PACE_LAST];
+            if (!(st[PACE_PERIOD] && st[PACE_LAST] && d >= 0 && 8 * d < st[PACE_PERIOD] &&
+                  d < 500000))
+                learn_pace(&st[PACE_LAST], &st[PACE_PERIOD], &st[PACE_DEV], t);
             result = p;
-            break;
+            /* busy: the caller reads PUSHED again (this call's first test) before it
+             * sleeps, so a hand-over meanwhile needs no doorbell */
+            __atomic_store_n(&st[AWAKE], 1, __ATOMIC_SEQ_CST);
+            Py_BLOCK_THREADS
+            return PyLong_FromLongLong(result);
         }
         int64_t w = watch_width(st[PACE_DEV], nap, spin_max);
         int64_t due = st[PACE_LAST] + st[PACE_PERIOD];
@@ -780,6 +844,10 @@ static PyMethodDef methods[] = {
      "0: the watching loop takes them, -errno: the eventfd write failed. Hand count entries\n"
      "just pushed to the loop: the first `first` of them read before the rest is submitted,\n"
      "`lead` published once they are all read, none submitted before `after` was."},
+    {"hand_rows", hand_rows, METH_VARARGS,
+     "hand_rows(state, event_fd, ids, n, bounds, offsets, dest, cmd_index, cmd, count_index,\n"
+     "request_index, request) -> 1 / 0 as notify, 2: ids out of range (nothing handed over),\n"
+     "-errno. A module's prefetch: local ids checked and made global into a process's slot."},
     {"wait_pushed", wait_pushed, METH_VARARGS,
      "wait_pushed(state, event_fd, done, spin_ns, nap_ns) -> PUSHED once past done, -1 on\n"
      "STOP, -errno. A loop's wait for the engine's next hand-over (notify), at its pace."},
