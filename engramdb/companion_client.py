@@ -45,6 +45,8 @@ class CompanionClient:
 
     _closed = True
     _what = "companion process"
+    _own_db = False
+    _db: Any = None
 
     def _launch(self, size: int, words: int) -> None:
         """Shared memory of ``size`` bytes (its first ``words`` int64 the shared words), the
@@ -184,8 +186,25 @@ class CompanionClient:
         self._words = np.empty(0, np.int64)
         self._finalizer()
 
+    def _release_views(self) -> None:
+        """Drop this side's views of the shared memory (before it is unmapped)."""
+
+    def _describe(self) -> str:
+        return ""
+
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop the companion (it closes its database) and free the shared memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_views()
+        self._close_companion()
+        if self._own_db:
+            self._db.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pid {self._proc.pid}"
+        return f"{type(self).__name__}({self._describe()}, {state})"
 
     def __enter__(self) -> Any:
         return self

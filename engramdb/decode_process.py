@@ -252,18 +252,10 @@ class DecoderProcess(CompanionClient):
             self._fills[(id(out), layer)] = cut
         return cut
 
-    def close(self) -> None:
-        """Stop the companion (it closes its database) and free the shared memory."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release_views(self) -> None:
         self._fills.clear()
-        self._local = self._rows = self._data = []  # views of the mapping, released first
+        self._local = self._rows = self._data = []
         self._tok = np.empty(0, np.int64)
-        self._close_companion()
-        if self._own_db:
-            self._db.close()
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"pid {self._proc.pid}"
-        return f"DecoderProcess(layers={self.layers}, batch={self.batch}, {state})"
+    def _describe(self) -> str:
+        return f"layers={self.layers}, batch={self.batch}"

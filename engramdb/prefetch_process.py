@@ -184,16 +184,8 @@ class PrefetchProcess(CompanionClient):
         ``counters()`` and the background warm's ``memory()["warm"]``."""
         return self._control(("stats",))  # type: ignore[no-any-return]
 
-    def close(self) -> None:
-        """Stop the companion (it closes its database) and free the shared memory."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ids = self._data = []  # views of the mapping, released first
-        self._close_companion()
-        if self._own_db:
-            self._db.close()
+    def _release_views(self) -> None:
+        self._ids = self._data = []
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"pid {self._proc.pid}"
-        return f"PrefetchProcess(tables={self.tables}, {state})"
+    def _describe(self) -> str:
+        return f"tables={self.tables}"

@@ -45,3 +45,19 @@ def db_factory(tmp_path: os.PathLike[str]):  # type: ignore[no-untyped-def]
         return make_db(tmp_path, tables, **options)
 
     return factory
+
+
+@pytest.fixture(params=["compiled", "eventfds"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A companion process's two hand-overs (`DecoderProcess`, `PrefetchProcess`): the
+    compiled words (where built) and the eventfds both ways."""
+    if request.param == "compiled":
+        from engramdb.io.sqpoll import step_compiled
+
+        if step_compiled("wait_word") is None:
+            pytest.skip("engramdb.io._submitter is not built")
+    else:
+        from engramdb import companion_client
+
+        monkeypatch.setattr(companion_client, "step_compiled", lambda name: None)
+    return str(request.param)

@@ -15,7 +15,7 @@ import pytest
 from test_decode import _make_cold, build_for, small_qwen, tokens
 
 import engramdb
-from engramdb import companion_client, decode_companion
+from engramdb import decode_companion
 from engramdb.decode_process import DecoderProcess
 from engramdb.errors import (
     InvalidArgument,
@@ -27,17 +27,6 @@ from engramdb.errors import (
 from engramdb.io.sqpoll import step_compiled
 
 LAYERS = (2, 5)
-
-
-@pytest.fixture(params=["compiled", "eventfds"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both hand-overs: the compiled words (where built) and the eventfds both ways."""
-    if request.param == "compiled":
-        if step_compiled("wait_word") is None:
-            pytest.skip("engramdb.io._submitter is not built")
-    else:
-        monkeypatch.setattr(companion_client, "step_compiled", lambda name: None)
-    return str(request.param)
 
 
 @pytest.fixture

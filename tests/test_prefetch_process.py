@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 from peft_tables import peft_tables  # noqa: E402
 
 import engramdb  # noqa: E402
-from engramdb import companion_client  # noqa: E402
 from engramdb.errors import (  # noqa: E402
     InvalidArgument,
     ProcessExited,
@@ -28,23 +27,11 @@ from engramdb.errors import (  # noqa: E402
     TableNotFound,
     TruncatedFile,
 )
-from engramdb.io.sqpoll import step_compiled  # noqa: E402
 from engramdb.prefetch_process import PrefetchProcess  # noqa: E402
 from engramdb.testing.pages import evict  # noqa: E402
 from engramdb.torch import DiskMultiHeadEmbedding  # noqa: E402
 
 NO_WARM = {"background_warm": False}
-
-
-@pytest.fixture(params=["compiled", "eventfds"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both hand-overs: the compiled words (where built) and the eventfds both ways."""
-    if request.param == "compiled":
-        if step_compiled("wait_word") is None:
-            pytest.skip("engramdb.io._submitter is not built")
-    else:
-        monkeypatch.setattr(companion_client, "step_compiled", lambda name: None)
-    return str(request.param)
 
 
 def _evict_all(path: Path) -> None:

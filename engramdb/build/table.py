@@ -326,7 +326,9 @@ def preset_layout(
             )
         layer = int(h.layers[0])
     elif int(layer) not in h.layers:
-        raise InvalidArgument(f"preset {preset!r} has no layer {layer}; layers are {list(h.layers)}")
+        raise InvalidArgument(
+            f"preset {preset!r} has no layer {layer}; layers are {list(h.layers)}"
+        )
     fmt = str(h.info.get("row_format") or "")
     return {
         "heads": table_heads(h, layer),

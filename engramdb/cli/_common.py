@@ -130,7 +130,12 @@ def file_option(flag: str, dest: str, help: str) -> Callable[[F], F]:  # noqa: A
 
 
 def progress_bar(
-    quiet: bool, label: str, total: int | None = None, *, unit: str = "B", row_bytes: int | None = None
+    quiet: bool,
+    label: str,
+    total: int | None = None,
+    *,
+    unit: str = "B",
+    row_bytes: int | None = None,
 ) -> Progress:
     """The CLI's one progress display (`engramdb.cli._progress.Progress`, on stderr, drawn
     only on a terminal; ``quiet`` hides it): pass ``bar.update`` (increments) or ``bar``
@@ -145,7 +150,10 @@ def LazyBar(quiet: bool, label: str, unit: str = "B") -> Progress:  # noqa: N802
 
 #: ``--quiet`` / ``-q``: hide the progress bar.
 quiet_option = click.option(
-    "--quiet", "-q", is_flag=True, help="No progress line (none is drawn when stderr is not a terminal)."
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="No progress line (none is drawn when stderr is not a terminal).",
 )
 
 #: ``--json``: print the result as one JSON document on stdout instead of the summary line.

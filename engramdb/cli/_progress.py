@@ -95,7 +95,9 @@ class Progress(Closing):
     # -- drawing ------------------------------------------------------------------------------
     def _start_ticker(self) -> None:
         if self.enabled and self._ticker is None:
-            self._ticker = threading.Thread(target=self._tick, name="engramdb-progress", daemon=True)
+            self._ticker = threading.Thread(
+                target=self._tick, name="engramdb-progress", daemon=True
+            )
             self._ticker.start()
 
     def _tick(self) -> None:

@@ -45,7 +45,11 @@ from engramdb.units import format_bytes
     "(config.json beside FILES overrides its fields).",
 )
 @click.option(
-    "--row-bytes", "-r", type=click.IntRange(min=1), default=None, help="Row bytes of raw row files."
+    "--row-bytes",
+    "-r",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Row bytes of raw row files.",
 )
 @click.option(
     "--rows-per-shard",

@@ -21,9 +21,7 @@ from engramdb.units import parse_size
 @click.argument("db", type=click.Path(file_okay=False))
 @click.argument("sources", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--table", "-t", required=True, help="Table name ([A-Za-z0-9_.-]).")
-@click.option(
-    "--row-bytes", "-r", type=click.IntRange(min=1), default=None, help="Bytes per row."
-)
+@click.option("--row-bytes", "-r", type=click.IntRange(min=1), default=None, help="Bytes per row.")
 @click.option(
     "--from-attached",
     is_flag=True,
@@ -145,9 +143,7 @@ def build_cmd(
     if synthetic is not None:
         total = rows_total * row_bytes
     else:
-        total = sum(
-            s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g
-        )
+        total = sum(s.nbytes for g in resolve_sources(sources, row_bytes, tensor=tensor) for s in g)
     wait_for_writer(db, quiet)  # a wait for another writer is said, and not timed as build
     with progress_bar(quiet, f"building {table}", total, row_bytes=row_bytes) as bar:
         summary = build(

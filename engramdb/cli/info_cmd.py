@@ -29,7 +29,10 @@ from engramdb.verify import total_bytes, verify
 @click.command("info")
 @click.argument("db", type=click.Path(exists=True, file_okay=False))
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print the manifest, sizes, index and residency as JSON."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the manifest, sizes, index and residency as JSON.",
 )
 @click.option(
     "--memory",
@@ -146,7 +149,9 @@ def _echo_table(name: str, t: dict[str, Any]) -> None:
     if not views:
         click.echo("    views: none")
     for vname, v in sorted(views.items()):
-        size = sum(int(f.get("bytes", 0)) for f in (v.get("data"), v.get("index"), v.get("rows")) if f)
+        size = sum(
+            int(f.get("bytes", 0)) for f in (v.get("data"), v.get("index"), v.get("rows")) if f
+        )
         click.echo(
             f"    view {vname}: {int(v.get('slots', 0)):,} records x {v.get('record_bytes')} B "
             f"({v.get('source')}), {format_bytes(size)}"

@@ -115,9 +115,7 @@ def warm_cmd(
         total = sum(d[n].nbytes for n in names)
         one = d[names[0]].row_bytes if len(names) == 1 else None
         with progress_bar(quiet, "warming", total, row_bytes=one) as bar:
-            summaries = warm_tables(
-                d, names, threads=threads, progress=bar.update, verify=verify
-            )
+            summaries = warm_tables(d, names, threads=threads, progress=bar.update, verify=verify)
         if as_json and not (lock or watch):
             echo_result(True, summaries)
             return

@@ -183,9 +183,7 @@ def small_pages(buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-def prefault_watched(
-    buf: np.ndarray, chunk: int = 64 << 20, slow_s_per_gb: float = 0.5
-) -> bool:
+def prefault_watched(buf: np.ndarray, chunk: int = 64 << 20, slow_s_per_gb: float = 0.5) -> bool:
     """`prefault` a large fresh buffer in chunks of ``chunk`` bytes, in whatever pages numpy
     asked for (transparent huge pages for 4 MiB or more: faster random gathers later), but
     watched: once a chunk commits slower than ``slow_s_per_gb`` (huge pages that the kernel

@@ -40,9 +40,9 @@ class PageReader(Closing):
         self._owns = backend is None
         self.backend: Backend = backend if backend is not None else self._default_backend()
 
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(page_size={self.page_size})"
+
     def _default_backend(self) -> Backend:
         return PreadvBackend()
 

@@ -56,7 +56,6 @@ __all__ = [
 BLOCK_TOKENS = 8192
 
 
-
 # --- the vectorised kernel ------------------------------------------------------------------
 class _Scratch:
     """Reusable per-call buffers, sized for one block."""

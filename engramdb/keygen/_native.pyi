@@ -17,7 +17,6 @@ def rows(
     fill: int,
     peft: bool,
 ) -> None: ...
-
 def step(
     ids: ndarray,
     hist_ids: ndarray,
