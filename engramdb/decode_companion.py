@@ -258,15 +258,11 @@ class _RowsJob:
             if reader.finish_into(dest.reshape(dest.shape[0], -1, reader.step_unit), t):
                 self.read += 1
                 return
-        elif t is not None:
-            assert store is not None
-            if t.cancel():  # still queued: read below
-                pass
-            else:
-                t.wait()  # raises a failed read's error
-                if take_kept(t, flat, dest):
-                    self.read += 1
-                    return
+        elif t is not None and not t.cancel():  # (one still queued is withdrawn: read below)
+            t.wait()  # raises a failed read's error
+            if take_kept(t, flat, dest):
+                self.read += 1
+                return
         self.gathered += 1
         if store is not None:
             store.gather_small(flat, dest)

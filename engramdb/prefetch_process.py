@@ -105,6 +105,8 @@ class PrefetchProcess(CompanionClient):
         self._last = [0] * len(names)  # per table: the hand-over of its last request
         # the compiled hand-over of a module's ids (`hand`), None with the eventfds
         self._hand = step_compiled("hand_rows") if self._wait is not None else None
+        #: whether `hand` is built (else modules hand their ids over by `request`)
+        self.hands_over = self._hand is not None
         self._dest = [a.ctypes.data for a in self._ids]
         self._closed = False
         config = {

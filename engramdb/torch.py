@@ -290,7 +290,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         reads it. A second call replaces a pending one. With ``process=``, the rows are read in
         that process (always: it decides resident or cold)."""
         proc = self._proc
-        if proc is not None and proc._hand is not None:  # noqa: SLF001
+        if proc is not None and proc.hands_over:
             done = hand_over(self._hot, local_ids, proc, self._proc_slot, self._keys)
             if done is not None:
                 return done
