@@ -41,6 +41,7 @@ from engramdb.read.table import LocalTable
 PUSHED, CMD, KEYED, FAIL, TAKEN, DONE = 0, 16, 17, 18, 19, 32
 STEP, CONTROL = 1, 2
 STOP = 1 << 62  # `_submitter.STOP`: a value >= it written to the doorbell ends the companion
+SWITCH_S = 0.0002  # the companion's GIL switch interval
 WAIT_NS = 200_000_000  # how long a wait spins before it checks the companion is alive
 
 
@@ -309,6 +310,9 @@ class _Companion:
         # this thread is no engine's: it submits its reads itself (no submitter or polling
         # thread)
         os.environ[SUBMITTER_ENV] = os.environ[SQPOLL_ENV] = "0"
+        # the loop takes the GIL back within 0.2 ms of a hand-over where a library thread
+        # (the tables' background warm) runs Python, not the default 5 ms
+        sys.setswitchinterval(SWITCH_S)
         self.native = cfg["native"]
         self.spin, self.nap = cfg["spin"], cfg["nap"]
         self.publish = step_compiled("publish") if self.native else None
