@@ -27,7 +27,7 @@ import numpy as np
 
 from engramdb.decode_companion import CMD, CONTROL, FAIL, PUSHED, STOP, TAKEN, WAIT_NS
 from engramdb.errors import InvalidArgument, ProcessExited
-from engramdb.io.sqpoll import step_compiled
+from engramdb.io.sqpoll import spin_ns, step_compiled
 
 #: the step errors kept for a later wait (the oldest go first)
 _KEPT_ERRORS = 64
@@ -85,6 +85,20 @@ class CompanionClient:
         self._addr = self._words.ctypes.data
         self._seq = 0  # hand-overs made (PUSHED)
         self._errors: dict[int, BaseException] = {}  # step errors received, by hand-over
+
+    def _start_job(self, job: dict[str, Any], cpus: Any, open_options: Any) -> None:
+        """Send the companion its start message (``job``: its kind and its own settings, plus
+        what every companion takes); a refusal closes this side and raises."""
+        self._closed = False
+        config = {
+            **job, "cpus": cpus, "open_options": dict(open_options or {}),
+            "native": self._wait is not None, "spin": spin_ns(), "nap": 0,
+        }  # fmt: skip
+        try:
+            self._control(("start", config))
+        except BaseException:
+            self.close()
+            raise
 
     def _ring(self, cmd: int) -> int:
         """Hand over: the command, PUSHED up by one, the doorbell where not watched (the

@@ -42,7 +42,6 @@ from engramdb.database import open as open_db
 from engramdb.decode import Decoder
 from engramdb.decode_companion import DONE, KEYED, STEP, Layout
 from engramdb.errors import InvalidArgument, InvalidDtype, ShapeMismatch
-from engramdb.io.sqpoll import spin_ns
 from engramdb.read.decode_fill import fill_slices
 from engramdb.validate import one_token
 
@@ -107,18 +106,12 @@ class DecoderProcess(CompanionClient):
         self._fills: dict[tuple[int, Any], tuple[Any, ...]] = {}
         self._step = 0  # the hand-over of the pending step (0: none)
         self._pre: tuple[Any, ...] | None = None  # a pending prefill's rows, ids and data
-        self._closed = False
-        config = {
+        job = {
             "kind": "decode", "path": str(path), "tables": names, "preset": preset, "batch": batch,
-            "prefetch": prefetch, "compressed": compressed, "cpus": cpus,
-            "open_options": dict(open_options or {}), "native": self._wait is not None,
-            "layout": (n, lay.tokens, ids, self.row_bytes), "spin": spin_ns(), "nap": 0,
+            "prefetch": prefetch, "compressed": compressed,
+            "layout": (n, lay.tokens, ids, self.row_bytes),
         }  # fmt: skip
-        try:
-            self._control(("start", config))
-        except BaseException:
-            self.close()
-            raise
+        self._start_job(job, cpus, open_options)
 
     _what = "decode process"
 

@@ -35,9 +35,9 @@ import numpy as np
 from engramdb.companion_client import CompanionClient, checked_cpus
 from engramdb.database import Database
 from engramdb.database import open as open_db
-from engramdb.decode_companion import CMD, DONE, STEP, TAKEN, RowsLayout
+from engramdb.decode_companion import CMD, DONE, STEP, RowsLayout
 from engramdb.errors import InvalidArgument, ProcessExited
-from engramdb.io.sqpoll import spin_ns, step_compiled
+from engramdb.io.sqpoll import step_compiled
 
 
 class RowsTicket:
@@ -108,17 +108,11 @@ class PrefetchProcess(CompanionClient):
         #: whether `hand` is built (else modules hand their ids over by `request`)
         self.hands_over = self._hand is not None
         self._dest = [a.ctypes.data for a in self._ids]
-        self._closed = False
-        config = {
+        job = {
             "kind": "rows", "path": str(db.path), "tables": names, "max_rows": max_rows,
-            "row_bytes": self.row_bytes, "cpus": cpus, "open_options": dict(open_options or {}),
-            "native": self._wait is not None, "spin": spin_ns(), "nap": 0,
+            "row_bytes": self.row_bytes,
         }  # fmt: skip
-        try:
-            self._control(("start", config))
-        except BaseException:
-            self.close()
-            raise
+        self._start_job(job, cpus, open_options)
 
     def slot(self, store: Any) -> int:
         """The slot of ``store`` (a table of this process's database, or its name)."""
@@ -160,9 +154,7 @@ class PrefetchProcess(CompanionClient):
         if hand is None or self._closed:
             self._check()
             raise InvalidArgument("no compiled hand-over here: use request()")
-        last = self._last[slot]
-        if last and self._words[TAKEN] < last:
-            self._taken(last)  # the companion has copied the slot's last ids
+        self._taken(self._last[slot])  # the companion has copied the slot's last ids
         lay = self._layout
         seq = self._seq + 1
         r = hand(self._addr, self._fds["bell"], address, n, bounds, offsets, self._dest[slot],
