@@ -20,6 +20,7 @@ import numpy as np
 from engramdb.database import open as open_db
 from engramdb.decode import Decoder
 from engramdb.errors import InvalidArgument, ProcessExited
+from engramdb.io.foreground import background_idle
 from engramdb.io.sqpoll import (
     SQPOLL_ENV,
     SUBMITTER_ENV,
@@ -313,6 +314,7 @@ class _Companion:
         # the loop takes the GIL back within 0.2 ms of a hand-over where a library thread
         # (the tables' background warm) runs Python, not the default 5 ms
         sys.setswitchinterval(SWITCH_S)
+        background_idle(True)  # the tables' warm never takes this CPU from the loop
         self.native = cfg["native"]
         self.spin, self.nap = cfg["spin"], cfg["nap"]
         self.publish = step_compiled("publish") if self.native else None

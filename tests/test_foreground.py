@@ -22,6 +22,7 @@ from engramdb.io.foreground import (
     OVERLAP_RATE_ENV,
     YIELD_ENV,
     Foreground,
+    background_idle,
     idle_priority,
     overlap_rate,
     read_in_gaps,
@@ -381,6 +382,44 @@ def test_idle_priority_sets_and_restores_the_calling_threads_policy() -> None:
     if seen[1] == seen[0]:
         pytest.skip("SCHED_IDLE not allowed here")
     assert seen == [os.SCHED_OTHER, os.SCHED_IDLE, os.SCHED_OTHER]
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@pytest.mark.parametrize("idle", [False, True])
+def test_background_idle_puts_every_warm_pass_under_sched_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle: bool, cold: bool
+) -> None:
+    """`background_idle(True)` (a companion process's setting): the warm runs under
+    ``SCHED_IDLE`` from its start, the page-table work over a table already in the page cache
+    included; without it, and no foreground rhythm, under the normal policy."""
+    monkeypatch.setattr(fg_mod, "_ALL_IDLE", [False])
+    assert background_idle(idle) is idle and background_idle() is idle
+    seen: list[tuple[bool, int]] = []
+    real = fg_mod.idle_priority
+
+    def spy(on: bool) -> bool:
+        got = real(on)
+        seen.append((on, os.sched_getscheduler(0)))
+        return got
+
+    monkeypatch.setattr("engramdb.io.tiers.idle_priority", spy)
+    if cold:
+        path = _cold_db(tmp_path, 40_000)
+    else:
+        engramdb.build(tmp_path, "t", ROW, [_source_rows(40_000)])
+        path = tmp_path
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        w = warm_pass(s, rate=1e12, budget=1 << 40)
+        w.start()
+        assert w.wait(60)
+        assert (w.state, w.reason) == ("done", "") and s.residency() == 1.0
+    assert seen and {on for on, _ in seen} == {idle}
+    policies = {p for _, p in seen}
+    if idle and policies == {os.SCHED_OTHER}:
+        pytest.skip("SCHED_IDLE not allowed here")
+    assert policies == {os.SCHED_IDLE if idle else os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the pass's thread only
 
 
 def test_noted_batches_enter_the_rhythm_in_order_when_it_is_next_read() -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "YIELD_ENV",
     "Foreground",
     "StopSignal",
+    "background_idle",
     "idle_priority",
     "overlap_rate",
     "read_in_gaps",
@@ -333,6 +334,19 @@ def overlap_rate() -> float:
 
 
 _idle = threading.local()
+#: Whether every background pass of this process runs under ``SCHED_IDLE`` (`background_idle`).
+_ALL_IDLE = [False]
+
+
+def background_idle(on: bool | None = None) -> bool:
+    """Whether this process's background passes (the warm) always run under ``SCHED_IDLE``;
+    ``on`` sets it. A companion process (`engramdb.decode_companion`) has one foreground
+    thread on its own CPU, whose reads the warm's page-table work would otherwise share
+    that CPU with at equal weight (its gathers waited out the scheduler's slices: 0.75-0.83x
+    over a warm run's first blocks, 38th stop)."""
+    if on is not None:
+        _ALL_IDLE[0] = bool(on)
+    return _ALL_IDLE[0]
 
 
 def idle_priority(on: bool) -> bool:

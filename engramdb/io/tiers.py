@@ -30,6 +30,7 @@ from engramdb.errors import InvalidArgument
 from engramdb.io.foreground import (
     FOREGROUND,
     StopSignal,
+    background_idle,
     idle_priority,
     overlap_rate,
     read_in_gaps,
@@ -272,6 +273,7 @@ class BackgroundWarm:
         try:
             lost = self.missing_estimate()
             self.top_up = lost <= min(TOP_UP_BYTES, TOP_UP_SHARE * self.span)
+            idle_priority(background_idle())  # a companion's: page-table work too
             pos = self.base
             for fd, size, start in self.shards:
                 own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -305,7 +307,9 @@ class BackgroundWarm:
                             # read-ahead brings those pages in too.
                             win = min(size, off + n + slack) - off
                             before, pages = range_pages(addr, win)
-                            if idle_priority(FOREGROUND.yielding()) and not self.top_up:
+                            gaps = FOREGROUND.yielding()
+                            idle_priority(gaps or background_idle())
+                            if gaps and not self.top_up:
                                 # periodic foreground reads (a decode loop): the chunk in
                                 # pieces, each in a gap between their batches, no read-ahead
                                 # past it (so the device queue is empty when a batch comes),
