@@ -115,10 +115,9 @@ def test_the_first_layers_wait_leaves_the_later_layers_reads_to_the_submitter(
     tickets[1].wait()
     ring = reader._ring
     assert ring is not None
-    # The loop stopped (it finishes a hand-over it holds first: a held layer's deferred
-    # submission, run late on a loaded machine, would take the next step's entries too),
-    # and a wake that says it took them and never submits.
-    _submitter(reader).stop()
+    # A wake that says it took them and never submits. The loop still runs: a held layer's
+    # deferred submission of the first step, run late on a loaded machine, must not take
+    # the second step's entries (never handed over to it).
     ring.wake = lambda n, *order: True
     ids = [_ids(rng, k=40), _ids(rng, k=56)]
     tickets = [StepTicket(i) for i in ids]
@@ -201,3 +200,50 @@ def test_a_lead_never_published_holds_a_later_reader_only_briefly(
     rb.close()
     dba.close()
     dbb.close()
+
+
+def test_a_held_hand_overs_late_rest_never_takes_the_next_steps_entries() -> None:
+    """The loop holds a hand-over's rest while its first entries are read; the engine's wait
+    submits that rest meanwhile and pushes the next step (not handed over yet). The loop's
+    late submission of the rest then takes nothing: the next step's entries stay queued
+    for their own hand-over and its order."""
+    sqpoll = _submitter_or_skip()
+    from engramdb.io.uring_ring import IORING_OP_READ, Ring, enter
+
+    first, rest, nxt = 2, 6, 5
+    for _ in range(20):  # the late submission must come after the push: a busy machine retries
+        r, w = os.pipe()
+        ring = Ring(64)
+        sub = sqpoll.Submitter(ring)
+        try:
+            st = ring.stage
+            st["opcode"][:first] = IORING_OP_READ  # reads of an empty pipe: never in
+            st["fd"][:first] = r
+            st["off"][:first] = np.uint64(2**64 - 1)
+            sink = np.zeros(first, np.uint8)
+            st["addr"][:first] = sink.ctypes.data
+            st["len"][:first] = 1
+            st["opcode"][first:] = 0  # IORING_OP_NOP: in at once
+            ring.push(first + rest)
+            assert sub.wake(first + rest, first)
+            end = time.monotonic() + 1
+            while ring.unsubmitted() != rest and time.monotonic() < end:
+                pass  # the loop submits the first entries alone, then holds the rest
+            if enter(ring.fd, rest, 0, 0) != rest:  # the engine's wait takes the rest
+                continue  # the hold was over before this thread looked
+            ring.push(nxt)  # the next step, pushed, not handed over
+            in_time = sub.counts()["held"] == 0  # the hold not over yet
+            while sub.counts()["held"] == 0 and time.monotonic() < end:
+                time.sleep(0.0005)
+            assert sub.counts()["held"] == 1
+            left = ring.unsubmitted()
+            if in_time:
+                assert left == nxt
+                break
+        finally:
+            os.write(w, b"xx")  # the pipe reads complete
+            ring.close()
+            os.close(r)
+            os.close(w)
+    else:
+        pytest.skip("the loop's hold ended before the next step was pushed each time")

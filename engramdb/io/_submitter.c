@@ -47,7 +47,10 @@
  *
  * Entries it does not get to stay in the ring: the engine's own wait for completions
  * submits whatever is still pending (the kernel serializes the two), so nothing depends on
- * this thread for progress.
+ * this thread for progress. Its submissions stop at the end of what was handed over (the
+ * queue's head against its tail at the start plus PUSHED): a hold's deferred rest, once
+ * the engine's wait has taken it, never takes the next step's entries, whose order their
+ * own hand-over gives.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -84,6 +87,25 @@ static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
+}
+
+/* The submission queue's head, written by the kernel as it consumes entries, and the
+ * queue's tail when the loop started (`run`): every entry pushed since was handed over, so
+ * the entries handed over in all (PUSHED) end at tail0 + PUSHED. NULL: not known. */
+typedef struct {
+    const uint32_t *head;
+    uint32_t tail0;
+} Queue;
+
+/* Of n entries handed over up to `pushed`, those the kernel has not consumed yet (the
+ * engine's wait may have submitted some): a submission never reaches past them into
+ * entries pushed but not handed over yet (the next step's, whose order the next hand-over
+ * gives). */
+static int64_t still_pending(const Queue *q, int64_t n, int64_t pushed) {
+    if (q->head == NULL) return n;
+    int32_t left = (int32_t)((uint32_t)(q->tail0 + (uint64_t)pushed) -
+                             __atomic_load_n(q->head, __ATOMIC_ACQUIRE));
+    return left <= 0 ? 0 : (left < n ? left : n);
 }
 
 /* Submit n entries: how many this call submitted (fewer where the engine's wait took some),
@@ -228,8 +250,9 @@ static long sleep_on_bell(int efd, struct timespec *tsp, int64_t *st) {
  * comes after has landed, the first `first` alone and the rest once they are read (0: all
  * at once), and publish its own lead once all its reads are in. 1 if it held entries back
  * (for a lead, or between two submissions), 0 if not, -errno of a failed enter or poll. */
-static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail, int64_t n,
-                      int64_t first, int64_t lead, int64_t after, int64_t pushed, int64_t nap) {
+static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail,
+                      const Queue *q, int64_t n, int64_t first, int64_t lead, int64_t after,
+                      int64_t pushed, int64_t nap) {
     uint32_t tail0 = __atomic_load_n(cq_tail, __ATOMIC_ACQUIRE);
     int held = 0;
     if (after > 0 && __atomic_load_n(&landed, __ATOMIC_ACQUIRE) < after) {
@@ -245,7 +268,8 @@ static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail
             held = 1;
         }
     }
-    long r = submit(ring_fd, n - sent);
+    /* (after a hold, the engine's wait may have taken the rest, and pushed the next step) */
+    long r = submit(ring_fd, still_pending(q, n - sent, pushed));
     if (r < 0) return r;
     if (lead > 0) {
         HOLD_UNTIL(READ_SINCE(tail0) >= n);
@@ -258,20 +282,25 @@ static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail
     return held;
 }
 
-/* run(ring_fd, event_fd, state, spin_ns, nap_ns, cq_tail) -> 0 once told to stop, or -errno
- * of a failed read, poll or enter. state: the address of the shared words (kept alive by
- * the caller); spin_ns: the widest watch window (0: never watch, the doorbell only); nap_ns:
- * 0 to watch by spinning, else the length of each sleep of a napping watch; cq_tail: the
- * address of the ring's completion-queue tail (kept mapped by the caller; 0: hand-overs are
- * never held, FIRST is ignored). */
+/* run(ring_fd, event_fd, state, spin_ns, nap_ns, cq_tail, sq_head, sq_tail0) -> 0 once told
+ * to stop, or -errno of a failed read, poll or enter. state: the address of the shared words
+ * (kept alive by the caller); spin_ns: the widest watch window (0: never watch, the doorbell
+ * only); nap_ns: 0 to watch by spinning, else the length of each sleep of a napping watch;
+ * cq_tail: the address of the ring's completion-queue tail (kept mapped by the caller; 0:
+ * hand-overs are never held, FIRST is ignored); sq_head: the address of its submission
+ * queue's head and sq_tail0 that queue's tail before the first hand-over (0: submissions
+ * not bounded by what was handed over). */
 static PyObject *run(PyObject *self, PyObject *args) {
     int ring_fd, efd;
-    unsigned long long addr, tail_addr = 0;
+    unsigned long long addr, tail_addr = 0, head_addr = 0;
+    unsigned int tail0 = 0;
     long long spin_max, nap = 0;
-    if (!PyArg_ParseTuple(args, "iiKL|LK", &ring_fd, &efd, &addr, &spin_max, &nap, &tail_addr))
+    if (!PyArg_ParseTuple(args, "iiKL|LKKI", &ring_fd, &efd, &addr, &spin_max, &nap, &tail_addr,
+                          &head_addr, &tail0))
         return NULL;
     int64_t *st = (int64_t *)(uintptr_t)addr;
     const uint32_t *cq_tail = (const uint32_t *)(uintptr_t)tail_addr;
+    Queue q = {(const uint32_t *)(uintptr_t)head_addr, (uint32_t)tail0};
     long result = 0;
     Py_BEGIN_ALLOW_THREADS
     /* timed sleeps end when asked (the default slack of 50 us is a napping watch's length) */
@@ -291,12 +320,12 @@ static PyObject *run(PyObject *self, PyObject *args) {
             int64_t lead = __atomic_exchange_n(&st[LEAD], 0, __ATOMIC_ACQUIRE);
             int64_t after = __atomic_exchange_n(&st[AFTER], 0, __ATOMIC_ACQUIRE);
             if (cq_tail != NULL && (first > 0 || lead > 0 || after > 0)) {
-                long h = hand_over(ring_fd, efd, st, cq_tail, p - done, first, lead, after, p,
-                                   nap);
+                long h = hand_over(ring_fd, efd, st, cq_tail, &q, p - done, first, lead, after,
+                                   p, nap);
                 if (h > 0) __atomic_add_fetch(&st[HELD], 1, __ATOMIC_RELAXED);
                 result = h < 0 ? h : 0;
             } else {
-                long s = submit(ring_fd, p - done);
+                long s = submit(ring_fd, still_pending(&q, p - done, p));
                 result = s < 0 ? s : 0;
             }
             if (result < 0) break;
@@ -836,8 +865,8 @@ static PyMethodDef methods[] = {
     {"landed", landed_lead, METH_NOARGS,
      "landed() -> the newest lead number a loop of this process published (its reads in)."},
     {"run", run, METH_VARARGS,
-     "run(ring_fd, event_fd, state, spin_ns, nap_ns=0, cq_tail=0) -> 0 once a value >= STOP\n"
-     "is written, or -errno.\n"
+     "run(ring_fd, event_fd, state, spin_ns, nap_ns=0, cq_tail=0, sq_head=0, sq_tail0=0) -> 0\n"
+     "once a value >= STOP is written, or -errno.\n"
      "Submit the entries handed over (notify), watching around the next one where steady."},
     {"notify", notify, METH_VARARGS,
      "notify(state, event_fd, count, first=0, lead=0, after=0) -> 1: rang the doorbell,\n"

@@ -2,7 +2,14 @@ STOP: int
 STATE_WORDS: int
 
 def run(
-    ring_fd: int, event_fd: int, state: int, spin_ns: int, nap_ns: int = 0, cq_tail: int = 0
+    ring_fd: int,
+    event_fd: int,
+    state: int,
+    spin_ns: int,
+    nap_ns: int = 0,
+    cq_tail: int = 0,
+    sq_head: int = 0,
+    sq_tail0: int = 0,
 ) -> int: ...
 def landed() -> int: ...
 def notify(

@@ -223,22 +223,29 @@ class Submitter:
         self._notify = _native_submitter.notify
         #: The C loop's result once it ended (0 after `stop`, -errno after a failure).
         self.result: int | None = None
+        # the queue's head and its tail now: the loop's submissions never reach past the
+        # entries handed over (into a step pushed but not handed over yet)
+        queue = (int(ring.sq_head.ctypes.data), int(ring.sq_tail[0]))
         self._thread = threading.Thread(
             target=self._run,
-            args=(ring.fd, spin_ns(), nap_ns(), int(ring.cq_tail.ctypes.data)),
+            args=(ring.fd, spin_ns(), nap_ns(), int(ring.cq_tail.ctypes.data), *queue),
             name="engramdb-submitter",
             daemon=True,
         )
         self._thread.start()
 
-    def _run(self, ring_fd: int, spin: int, nap: int, cq_tail: int) -> None:
+    def _run(
+        self, ring_fd: int, spin: int, nap: int, cq_tail: int, sq_head: int, tail0: int
+    ) -> None:
         run_as_worker()
         assert _native_submitter is not None
         try:  # never preempts the engine's thread it was woken by: it runs on an idle CPU
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # pragma: no cover - refused: normal priority
             pass
-        self.result = _native_submitter.run(ring_fd, self._efd, self._addr, spin, nap, cq_tail)
+        self.result = _native_submitter.run(
+            ring_fd, self._efd, self._addr, spin, nap, cq_tail, sq_head, tail0
+        )
 
     def wake(self, count: int, first: int = 0, lead: int = 0, after: int = 0) -> bool:
         """Hand over ``count`` entries just pushed; False when the thread has ended. The
