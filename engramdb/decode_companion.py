@@ -192,6 +192,9 @@ class _RowsJob:
     mapping, cold ones read with ``O_DIRECT``)."""
 
     def __init__(self, c: _Companion, cfg: dict[str, Any]):
+        # as the decoder's: where one hand-over brings several tables' cold rows, the first
+        # table's reads go alone, the rest at the wait for the next table's rows
+        hold_in_caller(True)
         self.c = c
         lay = self.lay = RowsLayout(cfg["row_bytes"], cfg["max_rows"])
         c.map(lay.size, lay.words)
@@ -205,6 +208,7 @@ class _RowsJob:
         self.reader_ok = StepReader.available()
         self.taken = [0] * lay.slots
         self.requests = self.read = self.gathered = 0
+        self.joint = 0  # hand-overs whose cold rows of several tables were read as one step
 
     def step(self, seq: int) -> None:
         words, lay = self.words, self.lay
@@ -247,6 +251,8 @@ class _RowsJob:
                 reader = self.reader = StepReader()
             if not reader.submit(jobs, ordered=True):
                 plan = [(j, r, f, None if type(t) is StepTicket else t) for j, r, f, t in plan]
+            elif len(jobs) > 1:
+                self.joint += 1
         for j, req, flat, t in plan:
             dest = self.data[j][: flat.size]
             self.finish(j, flat, t, dest)
@@ -275,7 +281,9 @@ class _RowsJob:
         if msg[0] == "stats":
             return {
                 "requests": self.requests, "read": self.read, "gathered": self.gathered,
-                "auto_switches": self.rule.switches, **_table_stats(self.stores),
+                "auto_switches": self.rule.switches, "joint_reads": self.joint,
+                "held_submits": held_submits(),
+                **_table_stats(self.stores),
             }  # fmt: skip
         raise InvalidArgument(f"unknown control message {msg[0]!r}")
 

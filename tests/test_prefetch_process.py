@@ -62,6 +62,8 @@ def test_prefetched_rows_equal_the_model_cold_and_resident(tmp_path: Path, mode:
                 assert torch.equal(got, mods[lay].multi_head_embedding(ids[lay]))
         st = proc.stats()
         assert st["requests"] == 12 and st["read"] == 12 and st["gathered"] == 0
+        # both tables' cold rows taken at one hand-over: the first table's reads went alone
+        assert st["held_submits"] == st["joint_reads"]
         # nothing was read in this process: its tables' counters stay at zero
         assert all(db[f"l{lay}"].counters()["rows_fetched"] == 0 for lay in emb)
         for f in tmp_path.rglob("*"):  # resident now: gathered from the companion's mapping
