@@ -63,6 +63,9 @@ class PrefetchRule:
         self.calm = [0] * n
         self.checks = 0
         self.switches = 0
+        #: Looks the store's read rule asked for (`want`: it left its mapped state, or lost
+        #: residency, while the layer was off); each starts the doubling over.
+        self.hints = 0
 
     def rows_resident(self, store: LocalTable, flat: np.ndarray) -> bool:
         """Whether a few spread rows of ``flat`` sit on resident pages (``mincore``)."""
@@ -127,6 +130,7 @@ class PrefetchRule:
         )
         if hint or on is None or now - self.at[i] >= self.recheck_s:
             if hint:
+                self.hints += 1
                 self.calm[i] = -1
             self.at[i] = now
             decided = not self.rows_resident(store, flat)
