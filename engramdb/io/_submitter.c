@@ -261,7 +261,7 @@ static long hand_over(int ring_fd, int efd, int64_t *st, const uint32_t *cq_tail
     }
     long sent = 0;
     if (first > 0 && first < n) {
-        sent = submit(ring_fd, first);
+        sent = submit(ring_fd, still_pending(q, first, pushed));
         if (sent < 0) return sent;
         if (sent == first) { /* else the engine's wait took some: no reason to hold the rest */
             HOLD_UNTIL(READ_SINCE(tail0) >= first);
