@@ -121,9 +121,6 @@ class _DecodeJob:
     """A `DecoderProcess`'s side: each hand-over's tokens through a `Decoder`."""
 
     def __init__(self, c: _Companion, cfg: dict[str, Any]):
-        # this thread submits its step's reads itself: the first layer's alone at `push`,
-        # the rest at the next layer's fill
-        hold_in_caller(True)
         self.c = c
         n, tokens, ids, rb = cfg["layout"]
         lay = Layout(n, tokens, ids, rb)
@@ -192,9 +189,6 @@ class _RowsJob:
     mapping, cold ones read with ``O_DIRECT``)."""
 
     def __init__(self, c: _Companion, cfg: dict[str, Any]):
-        # as the decoder's: where one hand-over brings several tables' cold rows, the first
-        # table's reads go alone, the rest at the wait for the next table's rows
-        hold_in_caller(True)
         self.c = c
         lay = self.lay = RowsLayout(cfg["row_bytes"], cfg["max_rows"])
         c.map(lay.size, lay.words)
@@ -317,8 +311,10 @@ class _Companion:
         if cfg["cpus"]:
             os.sched_setaffinity(0, cfg["cpus"])
         # this thread is no engine's: it submits its reads itself (no submitter or polling
-        # thread)
+        # thread), a step's first layer (or table) alone, the rest at the wait for the next
+        # layer's (table's) rows
         os.environ[SUBMITTER_ENV] = os.environ[SQPOLL_ENV] = "0"
+        hold_in_caller(True)
         # the loop takes the GIL back within 0.2 ms of a hand-over where a library thread
         # (the tables' background warm) runs Python, not the default 5 ms
         sys.setswitchinterval(SWITCH_S)
