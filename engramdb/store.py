@@ -214,7 +214,8 @@ class Store(LocalTable):
         ``FilePmdMapped``: warm gathers through it skip a TLB miss per 4 KiB page);
         ``rss_anon_bytes`` (the RAM tier and this thread's pooled result buffers:
         what its ``RssAnon`` owes the table); ``ram_tier_bytes``; ``rss_budget``;
-        ``locked_bytes``; ``warm`` (the background warm's state, reason, bytes read, and the
+        ``locked_bytes`` and ``lock`` (the ``lock`` option's state: ``"waiting"`` for a
+        finished warm pass, ``"locked"``, ``"off"``, or why not); ``warm`` (the background warm's state, reason, bytes read, and the
         1 MiB pieces it read in the gaps of a decode loop, paced ones beside prefetches) and
         ``process`` (this process's ``VmRSS`` / ``RssAnon`` / ``RssFile`` ...)."""
         tiers = self.tiers
@@ -234,6 +235,7 @@ class Store(LocalTable):
             "ram_tier_bytes": tier,
             "rss_budget": tiers.rss_budget,
             "locked_bytes": tiers.locked_bytes,
+            "lock": tiers.resident_lock.state,
             "warm": {
                 "state": w.state,
                 "reason": w.reason,

@@ -32,8 +32,9 @@ cache is hot, the serving process's mapping is not populated: what a server sees
 **cold** = the table files' pages dropped with ``POSIX_FADV_DONTNEED`` (no global drop_caches),
 residency checked with ``mincore`` in the child. The child opens the database with the
 library defaults: a table that fits is warmed and its mapping populated in the background,
-started by its first cold read or prefetch, or by its first faulting mapped read
-(``--no-background-warm`` opens with ``background_warm=False``). Arms:
+started by its first cold read or prefetch, or by its first faulting mapped read, and
+locked once warm (``lock="auto"``: reclaim cannot take its pages; the paired lines give the
+bytes locked at the end) (``--no-background-warm`` opens with ``background_warm=False``). Arms:
 
 * ``ram``: engram-peft's own `MultiHeadEmbedding` (an ``nn.Embedding``) over the table read into
   anonymous memory (``np.fromfile``): the baseline every ratio is against.
@@ -649,6 +650,8 @@ def arm_state(
         w = st["warm"] if st is not None else [s.memory()["warm"] for s in stores.values()]
         doc["warm_bytes_read"] = sum(x["bytes_read"] for x in w)
         doc["warm_paced_bytes"] = sum(x["paced_pieces"] for x in w) << 20
+        if st is None:  # this process's tables: locked by the ``lock`` option at the end
+            doc["locked_bytes"] = sum(s.memory()["locked_bytes"] for s in stores.values())
     return doc
 
 
@@ -1301,6 +1304,11 @@ def run_batch(
                         p.get("warm_bytes_read", 0) / 1e9, p.get("warm_paced_bytes", 0) / 1e9
                     )
                     for p in ps
+                )
+                + (
+                    "; locked (GB) " + " ".join(f"{p['locked_bytes'] / 1e9:.2f}" for p in ps)
+                    if all("locked_bytes" in p for p in ps)
+                    else ""
                 )
                 + (
                     "; prefetched "

@@ -1,7 +1,8 @@
 """This process's memory: its resident bytes (``/proc/self/status``), a mapping's resident and
-2 MiB-mapped bytes (``/proc/self/smaps``), dropping a range's page-table entries, and
-``mlock`` with a typed refusal. Used by the memory tiers (`engramdb.io.tiers`, which
-re-exports these names) and ``Store.memory()``."""
+2 MiB-mapped bytes (``/proc/self/smaps``), dropping a range's page-table entries, ``mlock``
+with a typed refusal, and the machine's ``/proc/meminfo`` with the safety margin the tiers
+leave free. Used by the memory tiers (`engramdb.io.tiers`, which re-exports these names),
+`engramdb.io.resident_lock` and ``Store.memory()``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ __all__ = [
     "lock_range",
     "mapped_rss",
     "mapped_rss_split",
+    "meminfo",
     "process_rss",
+    "safety_margin",
     "trim_mapped",
     "unlock_range",
 ]
@@ -29,6 +32,7 @@ LIBC.munlock.restype = ctypes.c_int
 LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
+_MIN_MARGIN = 512 << 20
 _STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmLck")
 _RANGE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ", re.M)
 _RSS = re.compile(rb"^Rss:\s+(\d+) kB", re.M)
@@ -104,3 +108,22 @@ def unlock_range(addr: int, length: int) -> None:
     """``munlock`` a range locked by `lock_range` (errors ignored)."""
     if length > 0:
         LIBC.munlock(addr, length)
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ``Cached``, ...)."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+def safety_margin(info: dict[str, int] | None = None) -> int:
+    """Memory the background warm and the default budget leave free: 5 % of ``MemTotal``,
+    at least 512 MiB."""
+    info = meminfo() if info is None else info
+    return max(_MIN_MARGIN, info.get("MemTotal", 0) // 20)

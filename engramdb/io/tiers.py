@@ -16,6 +16,8 @@ warm, the RSS budget, ``mlock`` and the memory accounting behind ``Store.memory(
   ``RssAnon`` / ``RssFile``; `trim_mapped` drops this process's page-table entries of a range
   (``MADV_DONTNEED``: the page cache itself stays, for other processes and for a later minor
   fault); `lock_range` — ``mlock`` with a typed `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``.
+* a finished warm pass then locks the table (`engramdb.io.resident_lock`, the ``lock`` open
+  option, ``"auto"`` by default): reclaim cannot take a warmed table's pages from under it.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ from engramdb.io.process_memory import (
     lock_range,
     mapped_rss,
     mapped_rss_split,
+    meminfo,
     process_rss,
+    safety_margin,
     trim_mapped,
     unlock_range,
 )
 from engramdb.io.residency import sampled_residency
+from engramdb.io.resident_lock import ResidentLock
 from engramdb.layouts.geometry import PAGE
 from engramdb.units import parse_size
 
@@ -74,7 +79,6 @@ __all__ = [
 
 #: Environment override of the default page-cache budget (a size: ``8G``, ``512M``, bytes).
 BUDGET_ENV = "ENGRAMDB_PAGE_CACHE_BUDGET"
-_MIN_MARGIN = 512 << 20
 _WILLNEED_STEP = 128 << 10  # the smallest common read_ahead_kb
 _UNKNOWN_READ_AHEAD = 8 << 20
 
@@ -95,25 +99,6 @@ def _read_ahead_bytes(fd: int) -> int:
     except OSError:
         pass
     return _UNKNOWN_READ_AHEAD
-
-
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ``Cached``, ...)."""
-    out: dict[str, int] = {}
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    return out
-
-
-def safety_margin(info: dict[str, int] | None = None) -> int:
-    """Memory the background warm and the default budget leave free: 5 % of ``MemTotal``,
-    at least 512 MiB."""
-    info = meminfo() if info is None else info
-    return max(_MIN_MARGIN, info.get("MemTotal", 0) // 20)
 
 
 def parse_budget(value: int | str | None, *, what: str = "page_cache_budget") -> int | None:
@@ -213,6 +198,8 @@ class BackgroundWarm:
         self._piece_bps = 1e9  # smoothed read rate of those pieces (bytes/s)
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
+        #: Then called (same thread) with a "stop now" check: what keeps the table resident.
+        self.on_resident: Callable[[Callable[[], bool]], object] | None = None
         self._stop = StopSignal()  # (its byte also ends a native piece's pause)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -258,9 +245,11 @@ class BackgroundWarm:
             if reason and not self.reason:
                 self.reason = reason
             self.passes += 1
-        done = self.on_done
+        done, resident = self.on_done, self.on_resident
         if state == "done" and done is not None:
             done()  # e.g. the read rule checks residency at its next batch, not 0.25 s later
+        if state == "done" and resident is not None:
+            resident(self._stop.is_set)  # e.g. `ResidentLock.after_warm`, stopped by `cancel`
 
     def missing_estimate(self, samples: int = 1024) -> int:
         """Bytes of the pass's regions not in the page cache, estimated from ``samples``
@@ -376,7 +365,9 @@ class MappedTiers:
     ``rate`` the background warm's bytes per second, ``rss_budget`` the most bytes of the
     mapping this process keeps mapped resident (None: no bound), ``keep_warm`` re-warms after
     residency loss. A watcher thread runs only when ``rss_budget`` or ``keep_warm`` is set,
-    every ``interval`` seconds."""
+    every ``interval`` seconds. ``lock`` (`engramdb.io.resident_lock`): ``"auto"`` ``mlock``s
+    the table once a warm pass made it resident (within half of ``MemTotal``), ``True``
+    whatever its size, ``False`` only on `lock`."""
 
     def __init__(
         self,
@@ -390,6 +381,7 @@ class MappedTiers:
         keep_warm: bool = False,
         background: bool = True,
         interval: float = 0.25,
+        lock: bool | str = "auto",
     ) -> None:
         self.base = int(base)
         self.length = int(length)
@@ -406,7 +398,10 @@ class MappedTiers:
         self.warm_starts = 0
         self.trimmed_bytes = 0
         self.trims = 0
-        self.locked_bytes = 0
+        # ``lock`` (`ResidentLock`): after a finished warm pass; never with an RSS budget
+        # below the table (a lock holds every page mapped)
+        self.resident_lock = ResidentLock(self.base, self.length, lock if populate else False)
+        self.warm.on_resident = self.resident_lock.after_warm
         self._hand = 0  # where the next RSS trim starts (a clock over the mapping)
         self._trim_lock = threading.Lock()
         self._stop = threading.Event()
@@ -507,21 +502,17 @@ class MappedTiers:
             return dropped
 
     # -- mlock --------------------------------------------------------------------------------
+    @property
+    def locked_bytes(self) -> int:
+        return self.resident_lock.locked_bytes
+
     def lock(self, budget: int | None = None) -> int:
         """``mlock`` the table (faults it in), or its first ``budget`` bytes; returns the
         bytes locked. Refused → `MemoryLockRefused` naming ``RLIMIT_MEMLOCK``."""
-        n = self.length
-        if budget is not None and budget < self.length:
-            n = int(budget) - int(budget) % PAGE
-        if n > self.locked_bytes:
-            lock_range(self.base, n)
-            self.locked_bytes = n
-        return self.locked_bytes
+        return self.resident_lock.lock(budget)
 
     def unlock(self) -> None:
-        if self.locked_bytes:
-            unlock_range(self.base, self.locked_bytes)
-            self.locked_bytes = 0
+        self.resident_lock.unlock()
 
     # -- the watcher --------------------------------------------------------------------------
     def check(self) -> None:

@@ -40,6 +40,7 @@ from engramdb.io.foreground import FOREGROUND
 from engramdb.io.gather import SplitDecision, take_one
 from engramdb.io.mapping import ShardMapping
 from engramdb.io.residency import mapped_count, resident_count, spread_pages
+from engramdb.io.resident_lock import parse_lock
 from engramdb.io.select import AutoBackend
 from engramdb.io.tiers import MappedTiers, parse_budget
 from engramdb.layouts.geometry import TableGeometry
@@ -102,10 +103,12 @@ class LocalTable(RowTable):
         keep_warm: bool = False,
         warm_rate: int | str = WARM_RATE,
         background_warm: bool = True,
+        lock: bool | str = "auto",
         fds: list[int] | None = None,
         **backend_options: Any,
     ):
         RowTable.__init__(self, TableSchema.of(info))
+        lock = parse_lock(lock)
         pc_budget = parse_budget(page_cache_budget)
         rss = parse_budget(rss_budget, what="rss_budget")
         rate = parse_budget(warm_rate, what="warm_rate")
@@ -164,6 +167,7 @@ class LocalTable(RowTable):
                     rss_budget=rss,
                     keep_warm=keep_warm,
                     background=background_warm and backend == "auto" and not direct_forced,
+                    lock=lock,
                 )
             elif isinstance(self._mapping, ShardMapping):
                 self._tiers = MappedTiers(
@@ -175,6 +179,7 @@ class LocalTable(RowTable):
                     rss_budget=rss,
                     keep_warm=keep_warm,
                     background=background_warm and backend == "auto" and not direct_forced,
+                    lock=lock,
                 )
         except BaseException:
             b0 = getattr(self, "_backend", None)

@@ -33,6 +33,7 @@ from engramdb.io.mapping import (
     range_pages,
     unmap_range,
 )
+from engramdb.io.resident_lock import release_range
 from engramdb.layouts.geometry import PAGE
 
 __all__ = [
@@ -139,9 +140,13 @@ def evict(path_or_fd: str | os.PathLike[str] | int, offset: int = 0, length: int
 
 def drop_mapped_pages(view: np.ndarray) -> None:
     """``MADV_DONTNEED`` over a mapped view: drops this process's page-table entries so
-    `evict` can drop the pages. The data stays valid (it is re-read on the next touch)."""
+    `evict` can drop the pages. The data stays valid (it is re-read on the next touch). A
+    table of this process locked over the view (the ``lock`` open option) is unlocked first:
+    a locked page cannot be dropped."""
     if view.nbytes:
-        madvise(*_view_range(view), MADV_DONTNEED)
+        addr, length = _view_range(view)
+        release_range(addr, length)
+        madvise(addr, length, MADV_DONTNEED)
 
 
 def advise_random(view: np.ndarray) -> None:
