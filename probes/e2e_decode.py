@@ -266,13 +266,26 @@ def build_tables(args: argparse.Namespace, root: Path, h: Any) -> None:
 
 
 def evict_tables(root: Path) -> None:
+    """Drop the table files' pages; exits naming the cause where they stay (a cold arm would
+    measure a warm table): pages some process ``mlock``s cannot be dropped (a table opened
+    with the default ``lock="auto"`` and warmed, or ``engramdb warm --lock``)."""
+    from engramdb.testing.pages import file_residency
+
     for lay in ENGRAM_AFTER:
-        fd = os.open(table_path(root, lay), os.O_RDONLY)
+        path = table_path(root, lay)
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+        left = file_residency(path)
+        if left > 0.05:
+            raise SystemExit(
+                f"{path}: {left:.0%} stays in the page cache after POSIX_FADV_DONTNEED: a "
+                "process locks it (a table opened and warmed with lock='auto', or `engramdb "
+                "warm --lock`); stop it, then run again"
+            )
 
 
 def warm_tables(root: Path) -> None:

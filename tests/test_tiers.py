@@ -339,6 +339,40 @@ def test_a_table_warmed_elsewhere_gets_its_page_tables_at_the_first_mapped_batch
         assert s.memory()["warm"]["starts"] == 0
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_warm_pass_reads_one_byte_of_every_page_of_the_table(
+    cold_db: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    """Resident or read from the device, every chunk a pass maps is then read by the CPU, a
+    byte a page (`touch_pages`): on a VM whose host reclaims idle guest memory a resident
+    page costs a host fault at its next read, paid there and not in the gathers."""
+    from engramdb.io import tiers
+
+    path, data = cold_db
+    spans: list[tuple[int, int]] = []
+    real = tiers.touch_pages
+
+    def spy(addr: int, length: int) -> None:
+        spans.append((addr, length))
+        real(addr, length)
+
+    monkeypatch.setattr(tiers, "touch_pages", spy)
+    with engramdb.open(path, background_warm=False) as db:
+        s = db["t"]
+        if cached:
+            s.populate()
+        w = warm_pass(s, rate=1e12, budget=1 << 40, chunk=1 << 20)
+        w.start()
+        assert w.wait(60) and w.state == "done"
+        base, size = int(s.array().ctypes.data), s.nbytes
+        covered = sorted(spans)
+        assert covered[0][0] == base
+        assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # no gap
+        assert covered[-1][0] + covered[-1][1] >= base + size
+        ids = np.arange(0, s.n_rows, 97)
+        assert np.array_equal(s.fetch(ids), data[ids])
+
+
 def test_background_warm_stops_at_its_budget(cold_db: tuple[Path, np.ndarray]) -> None:
     path, _ = cold_db
     with engramdb.open(path, background_warm=False) as db:
