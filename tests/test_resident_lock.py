@@ -176,3 +176,36 @@ def test_a_bad_lock_option_is_refused_by_name(
     path, _ = cold_db
     with pytest.raises(InvalidArgument, match="lock must be"), engramdb.open(path, lock=bad) as db:
         db["t"]
+
+
+def test_a_locked_tables_large_batches_skip_the_residency_sample(
+    cold_db: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Locked pages cannot be evicted, so a mapped batch of a locked table needs no
+    ``mincore`` sample first; unlocked, every large batch is sampled again."""
+    path, data = cold_db
+    if not _can_lock(len(data) * ROW):
+        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    with engramdb.open(path, warm_rate="256M") as db:
+        s = db["t"]
+        _warm(s, data)
+        assert s.memory()["lock"] == "locked" and s.tiers.resident_lock.whole
+        sampled: list[int] = []
+        real = s._sampled_resident  # noqa: SLF001
+
+        def spy(ids: np.ndarray, k: int) -> bool:
+            sampled.append(ids.shape[0])
+            return bool(real(ids, k))
+
+        monkeypatch.setattr(s, "_sampled_resident", spy)
+        ids = np.random.default_rng(5).integers(0, s.n_rows, 4096)
+        out = np.empty((ids.size, ROW), np.uint8)
+        s.backend.recheck_soon()
+        s.fetch_into(ids, out)  # the rule's own check, back in its mapped state
+        for _ in range(3):
+            assert np.array_equal(s.fetch_into(ids, out), data[ids])
+        assert sampled == [] and s.stats()["choices"].get("mmap", 0) >= 3
+        s.tiers.unlock()
+        assert not s.tiers.resident_lock.whole
+        assert np.array_equal(s.fetch_into(ids, out), data[ids])
+        assert sampled == [ids.size]

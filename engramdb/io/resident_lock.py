@@ -3,9 +3,9 @@
 A table served from the page cache competes with a table held in anonymous memory, which a
 host without swap never reclaims. Page-cache pages have no such guarantee: memory pressure,
 ``memory.reclaim`` or a proactive-reclaim policy (a DAMON ``pageout`` scheme on this
-project's test VMs) take them, and their gathers slow down well before they are gone. Here a
-warm table's gathers ran 6-15x slower in median than a locked one's after 10-30 s idle; the
-locked table kept an anonymous copy's speed (docs/io.md, docs/probes.md, 40th stop).
+project's test VMs) take them, and a read of a page that went is a device read. Locked,
+they stay (docs/io.md, docs/probes.md, 40th stop); a whole table locked also lets large
+mapped batches skip the read rule's residency sample (`ResidentLock.whole`).
 
 `ResidentLock` is a table's ``lock`` open option:
 
@@ -85,6 +85,9 @@ class ResidentLock:
         self.length = int(length)
         self.option = parse_lock(option)
         self.locked_bytes = 0
+        #: Whether the whole table is locked now: its pages cannot leave the page cache, so
+        #: a read needs no residency check (one attribute read).
+        self.whole = False
         self.state = "off" if self.option is False else "waiting"
         self._counted = 0  # of `_AUTO`: released by `unlock`
         self._mutex = threading.Lock()
@@ -111,6 +114,7 @@ class ResidentLock:
                 self.state = "waiting"
                 return 0
             self.state = "locked"
+            self.whole = True
             return self.locked_bytes
 
     def lock(self, budget: int | None = None) -> int:
@@ -122,7 +126,8 @@ class ResidentLock:
         with self._mutex:
             if n > self.locked_bytes:
                 self._lock_to(n, lambda: False)
-                self.state = "locked" if self.locked_bytes >= self.length else "partly locked"
+                self.whole = self.locked_bytes >= self.length
+                self.state = "locked" if self.whole else "partly locked"
             return self.locked_bytes
 
     def unlock(self) -> None:
@@ -159,6 +164,7 @@ class ResidentLock:
             self.locked_bytes += step
 
     def _release(self) -> None:
+        self.whole = False
         if self.locked_bytes:
             unlock_range(self.base, self.locked_bytes)
             self.locked_bytes = 0
