@@ -215,8 +215,9 @@ class Store(LocalTable):
         ``rss_anon_bytes`` (the RAM tier and this thread's pooled result buffers:
         what its ``RssAnon`` owes the table); ``ram_tier_bytes``; ``rss_budget``;
         ``locked_bytes`` and ``lock`` (the ``lock`` option's state: ``"waiting"`` for a
-        finished warm pass, ``"locked"``, ``"off"``, or why not); ``warm`` (the background warm's state, reason, bytes read, and the
-        1 MiB pieces it read in the gaps of a decode loop, paced ones beside prefetches) and
+        finished warm pass, ``"locked"``, ``"off"``, or why not); ``warm`` (the background
+        warm's state, reason, bytes read, and the 1 MiB pieces it read in the gaps of a
+        decode loop, paced ones beside prefetches) and
         ``process`` (this process's ``VmRSS`` / ``RssAnon`` / ``RssFile`` ...)."""
         tiers = self.tiers
         cache = self.cache

@@ -4,6 +4,7 @@ page cache; a refusal is reported, never raised from the warm thread. No timing.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import subprocess
@@ -209,3 +210,20 @@ def test_a_locked_tables_large_batches_skip_the_residency_sample(
         assert not s.tiers.resident_lock.whole
         assert np.array_equal(s.fetch_into(ids, out), data[ids])
         assert sampled == [ids.size]
+
+
+def test_a_table_dropped_unclosed_gives_back_its_share_of_the_auto_bound(
+    cold_db: tuple[Path, np.ndarray],
+) -> None:
+    path, data = cold_db
+    if not _can_lock(len(data) * ROW):
+        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    auto0 = resident_lock.auto_locked_bytes()
+    db = engramdb.open(path, warm_rate="256M")
+    s = db["t"]
+    _warm(s, data)
+    assert s.memory()["lock"] == "locked"
+    assert resident_lock.auto_locked_bytes() - auto0 >= s.nbytes
+    del s, db
+    gc.collect()
+    assert resident_lock.auto_locked_bytes() == auto0

@@ -50,6 +50,11 @@ _AUTO = [0]  # bytes auto-locked by this process's tables
 _LIVE: weakref.WeakSet[ResidentLock] = weakref.WeakSet()  # for `release_range`
 
 
+def _uncount(n: int) -> None:
+    with _GUARD:
+        _AUTO[0] -= n
+
+
 def auto_locked_bytes() -> int:
     """Bytes this process's tables hold locked under ``lock="auto"``."""
     return _AUTO[0]
@@ -89,7 +94,8 @@ class ResidentLock:
         #: a read needs no residency check (one attribute read).
         self.whole = False
         self.state = "off" if self.option is False else "waiting"
-        self._counted = 0  # of `_AUTO`: released by `unlock`
+        self._counted: weakref.finalize | None = None  # our share of `_AUTO` (`unlock`, or
+        # the table dropped unclosed: its mapping, and so the lock, went with it)
         self._mutex = threading.Lock()
         _LIVE.add(self)
 
@@ -153,7 +159,7 @@ class ResidentLock:
                 self.state = "not locked: MemAvailable would fall under the safety margin"
                 return False
             _AUTO[0] += self.length
-            self._counted = self.length
+        self._counted = weakref.finalize(self, _uncount, self.length)
         return True
 
     def _lock_to(self, n: int, stop: Callable[[], bool]) -> None:
@@ -168,7 +174,6 @@ class ResidentLock:
         if self.locked_bytes:
             unlock_range(self.base, self.locked_bytes)
             self.locked_bytes = 0
-        if self._counted:
-            with _GUARD:
-                _AUTO[0] -= self._counted
-            self._counted = 0
+        if self._counted is not None:
+            self._counted()  # (once: a finalizer runs at most once)
+            self._counted = None
