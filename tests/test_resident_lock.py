@@ -30,6 +30,12 @@ def _can_lock(nbytes: int) -> bool:
     return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= nbytes
 
 
+def _need_lock(nbytes: int) -> None:
+    """Skip where this process may not ``mlock`` ``nbytes``."""
+    if not _can_lock(nbytes):
+        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+
+
 @pytest.fixture
 def cold_db(tmp_path: Path) -> tuple[Path, np.ndarray]:
     data = np.random.default_rng(3).integers(0, 256, (40_000, ROW), dtype=np.uint8)  # 6.4 MB
@@ -56,8 +62,7 @@ def test_the_default_locks_a_warmed_table_and_reclaim_cannot_take_it(
     cold_db: tuple[Path, np.ndarray],
 ) -> None:
     path, data = cold_db
-    if not _can_lock(len(data) * ROW):
-        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    _need_lock(len(data) * ROW)
     before, auto0 = process_rss()["VmLck"], resident_lock.auto_locked_bytes()
     with engramdb.open(path, warm_rate="256M") as db:
         s = db["t"]
@@ -122,8 +127,7 @@ def test_dropping_a_locked_tables_pages_unlocks_it_and_the_next_warm_locks_again
     cold_db: tuple[Path, np.ndarray],
 ) -> None:
     path, data = cold_db
-    if not _can_lock(len(data) * ROW):
-        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    _need_lock(len(data) * ROW)
     with engramdb.open(path, warm_rate="256M", keep_warm=True) as db:
         s = db["t"]
         ids = _warm(s, data)
@@ -185,8 +189,7 @@ def test_a_locked_tables_large_batches_skip_the_residency_sample(
     """Locked pages cannot be evicted, so a mapped batch of a locked table needs no
     ``mincore`` sample first; unlocked, every large batch is sampled again."""
     path, data = cold_db
-    if not _can_lock(len(data) * ROW):
-        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    _need_lock(len(data) * ROW)
     with engramdb.open(path, warm_rate="256M") as db:
         s = db["t"]
         _warm(s, data)
@@ -216,8 +219,7 @@ def test_a_table_dropped_unclosed_gives_back_its_share_of_the_auto_bound(
     cold_db: tuple[Path, np.ndarray],
 ) -> None:
     path, data = cold_db
-    if not _can_lock(len(data) * ROW):
-        pytest.skip("this process may not mlock the table (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+    _need_lock(len(data) * ROW)
     auto0 = resident_lock.auto_locked_bytes()
     db = engramdb.open(path, warm_rate="256M")
     s = db["t"]
