@@ -229,3 +229,38 @@ def test_a_table_dropped_unclosed_gives_back_its_share_of_the_auto_bound(
     del s, db
     gc.collect()
     assert resident_lock.auto_locked_bytes() == auto0
+
+
+def test_a_locked_tables_slow_gather_leaves_the_read_rule_mapped(
+    cold_db: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow mapped gather of a locked table is a busy machine, not page faults: the rule
+    stays in its mapped state and samples nothing. Unlocked, the same report makes it
+    check residency before the next batch."""
+    path, data = cold_db
+    _need_lock(len(data) * ROW)
+    with engramdb.open(path, warm_rate="256M") as db:
+        s = db["t"]
+        _warm(s, data)
+        rule = s.backend
+        ids = np.random.default_rng(6).integers(0, s.n_rows, 4096)
+        rule.recheck_soon()
+        assert np.array_equal(s.fetch(ids), data[ids])  # the rule's own check: mapped
+        assert s.mapped_state() and s.tiers.resident_lock.whole
+        sampled: list[int] = []
+        real = rule.resident_fraction
+
+        def spy(fds: object, offsets: object, samples: int = 0) -> float:
+            sampled.append(samples)
+            return float(real(fds, offsets, samples))
+
+        monkeypatch.setattr(rule, "resident_fraction", spy)
+        s.note_mapped_gather(100, 1.0)  # 10 ms a row
+        assert s.mapped_state() and not rule.suspect
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert sampled == [] and rule.last_choice == "mmap"
+        s.tiers.unlock()
+        s.note_mapped_gather(100, 1.0)
+        assert not s.mapped_state() and rule.suspect
+        assert np.array_equal(s.fetch(ids), data[ids])
+        assert sampled == [rule.samples] and not rule.suspect

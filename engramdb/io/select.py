@@ -200,6 +200,11 @@ class AutoBackend(Backend):
         #: In the mapped state and not suspect: a caller may gather from the mapping without
         #: asking (one attribute read; kept in step by `choose` and `feedback`).
         self.mapped_ok = False
+        #: Whether every page the mapping serves is locked in memory (set by the table's
+        #: owner, `ResidentLock.whole`): locked pages cannot have been evicted, so the mapped
+        #: state needs no residency sample and a slow mapped batch is a busy machine (on a
+        #: VM, memory the host has let go cold), not page faults: the rule stays as it is.
+        self.locked: Callable[[], bool] | None = None
 
     @property
     def io_uring(self) -> bool:
@@ -282,7 +287,10 @@ class AutoBackend(Backend):
             chosen: Backend = self.cold
         else:
             if self._state is mapped:
-                if n >= self.min_sampled or self._suspect:
+                locked = self.locked
+                if locked is not None and locked():
+                    self._suspect = False
+                elif n >= self.min_sampled or self._suspect:
                     k = self.samples if self._suspect else min(self.samples, 1 + n // 65536)
                     self._suspect = False
                     frac = self.resident_fraction(fds, offsets, k)
@@ -309,8 +317,12 @@ class AutoBackend(Backend):
 
     def feedback(self, chosen: Backend, requests: int, seconds: float) -> None:
         """Report how long ``chosen`` took for ``requests``: after a slow mmap batch (page
-        faults, or a busy machine) the next batch checks a full sample."""
+        faults, or a busy machine) the next batch checks a full sample, except while the
+        whole mapping is locked (`locked`: its pages cannot have gone)."""
         if chosen is self.mapped and requests and seconds * 1e6 > self.slow_us * requests:
+            locked = self.locked
+            if locked is not None and locked():
+                return
             self._suspect = True
             self.mapped_ok = False
             slow = self.on_slow_mapped

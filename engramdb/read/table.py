@@ -262,6 +262,9 @@ class LocalTable(RowTable):
             if self._tiers is not None and (seg0 is None or one0 is not None)
             else None
         )
+        if self._held is not None and self._auto is not None:
+            held = self._held
+            self._auto.locked = lambda: held.whole
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
         if ram_budget is not None:
