@@ -1159,6 +1159,19 @@ def main() -> None:
     gpu_arms = [a for a in args.gpu_arms.split(",") if a]
     for a in arms + gpu_arms:  # an unknown arm exits here, before any table is built
         parse_arm(a)
+    last = max(ENGRAM_AFTER.values())  # the block the last Engram layer follows
+    for b in [int(x) for x in args.batches.split(",")]:
+        n = blocks_for(args.blocks, b)
+        if arms and n <= last:  # (the layer would never run: one table, not two)
+            raise SystemExit(
+                f"--blocks {args.blocks} gives {n} blocks at B={b}: the Engram layer after "
+                f"block {last} needs at least {last + 1}"
+            )
+    if gpu_arms and args.gpu_blocks <= last:
+        raise SystemExit(
+            f"--gpu-blocks {args.gpu_blocks}: the Engram layer after block {last} needs at "
+            f"least {last + 1}"
+        )
     if gpu_arms and gpu_arms[0] != "gpu:ram":
         raise SystemExit("the first GPU arm must be gpu:ram (the baseline)")
     if gpu_arms:
