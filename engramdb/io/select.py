@@ -137,6 +137,8 @@ class AutoBackend(Backend):
       stray fault costs them less than the check);
     * an mmap batch slower than ``slow_us`` per request (it may have faulted, or the machine
       was busy) makes the next batch check a full ``samples`` pages;
+    * while the whole mapping is locked in memory (``locked``), the mapped state checks
+      nothing and a slow batch changes nothing (locked pages cannot have gone);
     * in a *cold* state, every ``recheck_s`` seconds a batch samples ``samples`` pages and
       the rule picks again (mmap, direct or buffered).
 
