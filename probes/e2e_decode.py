@@ -1159,8 +1159,9 @@ def main() -> None:
     gpu_arms = [a for a in args.gpu_arms.split(",") if a]
     for a in arms + gpu_arms:  # an unknown arm exits here, before any table is built
         parse_arm(a)
+    batches = [int(x) for x in args.batches.split(",")]
     last = max(ENGRAM_AFTER.values())  # the block the last Engram layer follows
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in batches:
         n = blocks_for(args.blocks, b)
         if arms and n <= last:  # (the layer would never run: one table, not two)
             raise SystemExit(
@@ -1211,7 +1212,7 @@ def main() -> None:
                     "H2D on a side stream; baselines gpu:ram (table in GPU memory) and gpu:host "
                     "(table in host RAM, staged the same way)"
                 )
-            for b in [int(x) for x in args.batches.split(",")]:
+            for b in batches:
                 rows, same = run_batch(args, root, path_arms, b)
                 ok &= same
                 doc[f"B{b}" if path == "cpu" else f"gpu_B{b}"] = rows

@@ -254,16 +254,15 @@ class LocalTable(RowTable):
         self._cols_fast = (
             ram_budget is None and seg0 is not None and one0 is None and self._sample_at is not None
         )
-        #: The table's lock where it covers every row (a built table, or an attached one
-        #: whose rows are one run): while `ResidentLock.whole`, large mapped batches skip
-        #: the read rule's residency sample (locked pages cannot be evicted).
-        self._held = (
-            self._tiers.resident_lock
-            if self._tiers is not None and (seg0 is None or one0 is not None)
-            else None
-        )
-        if self._held is not None and self._auto is not None:
-            held = self._held
+        # The table's lock where it covers every row (a built table, or an attached one
+        # whose rows are one run) tells the read rule when no page can have gone
+        # (`AutoBackend.locked`): no residency samples, no doubt after a slow gather.
+        if (
+            self._auto is not None
+            and self._tiers is not None
+            and (seg0 is None or one0 is not None)
+        ):
+            held = self._tiers.resident_lock
             self._auto.locked = lambda: held.whole
         self._bypasses = 0
         self._prefetch_lock = threading.Lock()
@@ -668,8 +667,8 @@ class LocalTable(RowTable):
             # Checked every batch: one that faulted the evicted table in from the device would
             # stall for ~n device reads (seconds), far more than a ``mincore`` costs. A
             # locked table cannot have been evicted: no check (~2 us a batch).
-            held = self._held
-            if (held is None or not held.whole) and not self._sampled_resident(
+            locked = a.locked
+            if (locked is None or not locked()) and not self._sampled_resident(
                 ids, min(a.samples, 1 + n // 65536)
             ):
                 return False
