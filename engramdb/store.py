@@ -245,6 +245,10 @@ class Store(LocalTable):
                 "gap_pieces": w.gap_pieces,
                 "paced_pieces": w.paced_pieces,
                 "top_up": w.top_up,
+                "seconds": w.seconds,
+                # ``time.monotonic()`` of this process (0.0: no pass yet, or still running)
+                "started_at": w.started_at,
+                "ended_at": w.ended_at,
             },
             "process": process_rss(),
         }

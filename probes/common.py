@@ -174,6 +174,21 @@ def current_cpu() -> int:
 _getcpu: Any = None
 
 
+def cpu_busy_ticks() -> list[int]:
+    """Each CPU's busy clock ticks so far (user, nice, system, irq, softirq from
+    ``/proc/stat``; ``os.sysconf("SC_CLK_TCK")`` a second), [] where unknown."""
+    out = []
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"cpu") and line[3:4].isdigit():
+                    v = line.split()[1:8]
+                    out.append(sum(int(v[i]) for i in (0, 1, 2, 5, 6)))
+    except (OSError, ValueError, IndexError):
+        return []
+    return out
+
+
 def thread_sleeps() -> int:
     """The calling thread's voluntary context switches so far (-1 where unknown): each is a
     wait, for a read or a lock (the GIL held by another thread of the process among them)."""

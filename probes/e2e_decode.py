@@ -82,6 +82,9 @@ of the arms after ``ram``. A paired line also gives the engine thread's waits a 
 side (voluntary context switches, read per block): a wait for a read, or for the GIL while a
 library thread (the background warm) ran Python. The in-RAM side pays for those threads too
 (they share its process), so a warm's cost to the engine thread shows there, not in the ratio.
+With ``--engine-cpu`` it gives the other CPUs' busy time a step on each side (``/proc/stat``:
+what ran beside the engine thread), and it gives when each table's background warm pass ran,
+in ms from the arm's first step (a pass that ends before 0 never ran beside the steps).
 
 Correctness first: every arm's tokens must equal the first arm's (exit 1 otherwise). Printed per
 B: tokens/s and its ratio to ``ram``, per-step p50/p99, lookup ms per step (the embedding
@@ -118,6 +121,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    cpu_busy_ticks,
     cpu_note,
     current_cpu,
     disk_irq_cpus,
@@ -604,6 +608,7 @@ def child(args: argparse.Namespace) -> None:
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
         pdoc["irq_cpus"] = sorted(irq_cpus)
         pdoc.update(arm_state(stores, dec, mods, kind, procs))
+        pdoc["warm_pass_ms"] = warm_pass_times(stores, dec, procs, pdoc.pop("first_step_at"))
         # which memory held the tables: the A/A control holds two anonymous copies, an
         # EngramDB arm one (the in-RAM side's) and its mapping's pages as file memory
         pdoc.update(proc_status())
@@ -666,6 +671,25 @@ def arm_state(
         if st is None:  # this process's tables: locked by the ``lock`` option at the end
             doc["locked_bytes"] = sum(s.memory()["locked_bytes"] for s in stores.values())
     return doc
+
+
+def warm_pass_times(
+    stores: dict[int, Any], dec: Any, procs: Any, first: float
+) -> list[list[float]]:
+    """Each table's last background warm pass, ``[start, end]`` in ms from the arm's first
+    step (``time.monotonic()`` is the system's monotonic clock, one across processes); end
+    NaN while it still runs, [] for a table without a pass. Where it ends before 0 the
+    arm's steps never ran beside it."""
+    st = dec.stats() if hasattr(dec, "stats") else procs.stats() if procs is not None else None
+    passes = st["warm"] if st is not None else [s.memory()["warm"] for s in stores.values()]
+    out = []
+    for w in passes:
+        t0, t1 = w.get("started_at", 0.0), w.get("ended_at", 0.0)
+        if not t0:
+            out.append([])
+            continue
+        out.append([(t0 - first) * 1e3, (t1 - first) * 1e3 if t1 else float("nan")])
+    return out
 
 
 _IDS: dict[int, tuple[np.ndarray, Any]] = {}
@@ -731,6 +755,8 @@ def paired_steps(
             self.look_s = 0.0
             self.feeds: list[float] = []  # per step (not the prefills)
             self.sleeps = 0  # the engine thread's waits (voluntary switches) in its steps
+            self.others = 0  # busy ticks of the CPUs other than --engine-cpu in its blocks
+            self.first_at = 0.0  # time.monotonic() at its first step
 
         def enter(self) -> None:
             for lay in ENGRAM_AFTER:
@@ -778,6 +804,9 @@ def paired_steps(
                 new_bufs(bufs, self.dec)
             total = 0.0
             s0 = thread_sleeps()  # (read per block: a /proc read inside a step would cost)
+            c0 = cpu_busy_ticks()
+            if not self.first_at:
+                self.first_at = time.monotonic()
             for _ in range(n):
                 assert self.nxt is not None
                 self.toks.append(self.nxt.copy())
@@ -791,6 +820,11 @@ def paired_steps(
                 self.look_s += Clock.total
                 self.cpus.append(current_cpu())
             self.sleeps += thread_sleeps() - s0
+            c1 = cpu_busy_ticks()
+            if args.engine_cpu is not None and len(c0) == len(c1):
+                self.others += sum(
+                    b - a for i, (a, b) in enumerate(zip(c0, c1)) if i != args.engine_cpu
+                )
             return total
 
     ram = Side(ram_mods, {}, None, False)
@@ -835,6 +869,10 @@ def paired_steps(
         # the engine thread's waits a step, [in-RAM, arm]: for a read, or for the GIL while
         # another thread of the process (a background warm, a prefetcher) ran Python
         "paired_sleeps_per_step": [x.sleeps / max(1, len(x.toks)) for x in (ram, arm)],
+        # the other CPUs' busy time a step (ms, with --engine-cpu), [in-RAM, arm]: what ran
+        # beside the engine thread (the library's threads, the kernel's reads, other jobs)
+        "paired_other_cpus_ms": [x.others * 1e3 / TICKS / max(1, len(x.toks)) for x in (ram, arm)],
+        "first_step_at": arm.first_at,
     }
 
 
@@ -848,6 +886,8 @@ def pin_engine(args: argparse.Namespace) -> None:
 
 #: Steps per block of the ``--paired`` alternation.
 PAIR_BLOCK = 8
+#: Clock ticks a second (``/proc/stat``'s unit).
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # -- the training-side figure -------------------------------------------------------------------
@@ -1306,6 +1346,23 @@ def run_batch(
                     f"{(sa - fa - la) - (sr - fr - lr):+.0f}"
                 )
             print("                        arm - in-RAM per step (us): " + "; ".join(gaps))
+            if all(p.get("paired_other_cpus_ms") for p in ps):
+                print(
+                    "                        other CPUs busy a step (ms), in-RAM / arm: "
+                    + "; ".join("{:.2f} / {:.2f}".format(*p["paired_other_cpus_ms"]) for p in ps)
+                )
+            if any(p.get("warm_pass_ms") for p in ps):
+                print(
+                    "                        background warm passes (ms from the arm's first "
+                    "step, start..end, per table): "
+                    + "; ".join(
+                        " ".join(
+                            f"{w[0]:.0f}..{w[1]:.0f}" if w else "none"
+                            for w in p.get("warm_pass_ms", [])
+                        )
+                        for p in ps
+                    )
+                )
             if all("paired_sleeps_per_step" in p for p in ps):
                 print(
                     "                        engine thread's waits a step (read or GIL), "

@@ -168,6 +168,7 @@ def test_a_faulting_mapped_read_fills_this_process_page_tables(
         m = s.memory()
         assert m["page_cache_resident_bytes"] >= s.nbytes - 4096
         assert m["rss_file_bytes"] == 0 and m["warm"]["starts"] == 0
+        assert m["warm"]["seconds"] == 0.0 and m["warm"]["started_at"] == 0.0  # no pass yet
         ids = np.random.default_rng(1).integers(0, s.n_rows, 4096)
         assert np.array_equal(s.fetch(ids), data[ids])
         assert s.stats()["choices"] == {"mmap": 1}
@@ -177,6 +178,9 @@ def test_a_faulting_mapped_read_fills_this_process_page_tables(
         m = warmed_memory(s, s.nbytes)
         assert m["warm"]["bytes_read"] == 0  # all resident: only page-table entries
         assert m["warm"]["top_up"] is True  # nothing missing: read at once
+        w = m["warm"]  # when it ran, on this process's monotonic clock
+        assert 0 < w["started_at"] < w["ended_at"] <= time.monotonic()
+        assert w["seconds"] == pytest.approx(w["ended_at"] - w["started_at"])
         a.feedback(a.mapped, 1000, 1.0)  # once: a later slow batch starts nothing
         assert s.memory()["warm"]["starts"] == 1
         assert np.array_equal(s.fetch(ids), data[ids])

@@ -196,6 +196,8 @@ class BackgroundWarm:
         self.gap_pieces = 0  # pieces read between periodic foreground batches
         self.paced_pieces = 0  # of those, pieces paced beside prefetched reads
         self.top_up = False  # the pass found little missing: read it at once (class doc)
+        #: ``time.monotonic()`` when the last pass started and when it ended (0.0: not yet).
+        self.started_at = self.ended_at = 0.0
         self._piece_bps = 1e9  # smoothed read rate of those pieces (bytes/s)
         #: Called (from the warm thread) when a pass finished reading the whole table.
         self.on_done: Callable[[], None] | None = None
@@ -209,6 +211,13 @@ class BackgroundWarm:
     def running(self) -> bool:
         return self.state == "running"
 
+    @property
+    def seconds(self) -> float:
+        """How long the last pass ran (so far, while it runs; 0.0 before the first)."""
+        if not self.started_at:
+            return 0.0
+        return (self.ended_at or time.monotonic()) - self.started_at
+
     def start(self) -> bool:
         """Start a pass unless one is running; returns whether one was started."""
         with self._lock:
@@ -218,6 +227,7 @@ class BackgroundWarm:
             self.state, self.reason = "running", ""
             self.bytes_read = self.bytes_added = 0
             self.reading = False
+            self.started_at, self.ended_at = time.monotonic(), 0.0
             self._thread = threading.Thread(target=self._run, name="engramdb-warm", daemon=True)
             self._thread.start()
             return True
@@ -243,6 +253,7 @@ class BackgroundWarm:
     def _finish(self, state: str, reason: str = "") -> None:
         with self._lock:
             self.state = state
+            self.ended_at = time.monotonic()
             if reason and not self.reason:
                 self.reason = reason
             self.passes += 1
