@@ -246,7 +246,7 @@ class Store(LocalTable):
                 "paced_pieces": w.paced_pieces,
                 "top_up": w.top_up,
                 "seconds": w.seconds,
-                # ``time.monotonic()`` of this process (0.0: no pass yet, or still running)
+                # on ``time.monotonic()`` (0.0: no pass yet; ``ended_at`` 0.0 while one runs)
                 "started_at": w.started_at,
                 "ended_at": w.ended_at,
             },
