@@ -607,8 +607,7 @@ def child(args: argparse.Namespace) -> None:
         pdoc.update(arm=args.child, batch=b, resident_before=resident)
         pdoc["irq_cpu_share"] = float(np.isin(pdoc.pop("arm_cpus"), list(irq_cpus)).mean())
         pdoc["irq_cpus"] = sorted(irq_cpus)
-        pdoc.update(arm_state(stores, dec, mods, kind, procs))
-        pdoc["warm_pass_ms"] = warm_pass_times(stores, dec, procs, pdoc.pop("first_step_at"))
+        pdoc.update(arm_state(stores, dec, mods, kind, procs, pdoc.pop("first_step_at")))
         # which memory held the tables: the A/A control holds two anonymous copies, an
         # EngramDB arm one (the in-RAM side's) and its mapping's pages as file memory
         pdoc.update(proc_status())
@@ -642,10 +641,17 @@ def child(args: argparse.Namespace) -> None:
 
 
 def arm_state(
-    stores: dict[int, Any], dec: Any, mods: dict[int, Any], kind: str, procs: Any = None
+    stores: dict[int, Any],
+    dec: Any,
+    mods: dict[int, Any],
+    kind: str,
+    procs: Any = None,
+    first: float | None = None,
 ) -> dict[str, Any]:
     """What an arm's tables and decoder did by the end: the share of steps prefetched, the
-    auto rule's switches, the hook's misses, the background warm's bytes."""
+    auto rule's switches, the hook's misses, the background warm's bytes (and, given the
+    ``time.monotonic()`` of the arm's ``first`` step, when each table's pass ran:
+    `warm_pass_times`)."""
     doc: dict[str, Any] = {}
     # a `DecoderProcess` or `PrefetchProcess`: its companion's
     st = dec.stats() if hasattr(dec, "stats") else procs.stats() if procs is not None else None
@@ -668,20 +674,18 @@ def arm_state(
         w = st["warm"] if st is not None else [s.memory()["warm"] for s in stores.values()]
         doc["warm_bytes_read"] = sum(x["bytes_read"] for x in w)
         doc["warm_paced_bytes"] = sum(x["paced_pieces"] for x in w) << 20
+        if first is not None:
+            doc["warm_pass_ms"] = warm_pass_times(w, first)
         if st is None:  # this process's tables: locked by the ``lock`` option at the end
             doc["locked_bytes"] = sum(s.memory()["locked_bytes"] for s in stores.values())
     return doc
 
 
-def warm_pass_times(
-    stores: dict[int, Any], dec: Any, procs: Any, first: float
-) -> list[list[float]]:
-    """Each table's last background warm pass, ``[start, end]`` in ms from the arm's first
-    step (``time.monotonic()`` is the system's monotonic clock, one across processes); end
-    NaN while it still runs, [] for a table without a pass. Where it ends before 0 the
-    arm's steps never ran beside it."""
-    st = dec.stats() if hasattr(dec, "stats") else procs.stats() if procs is not None else None
-    passes = st["warm"] if st is not None else [s.memory()["warm"] for s in stores.values()]
+def warm_pass_times(passes: list[dict[str, Any]], first: float) -> list[list[float]]:
+    """Each table's last background warm pass (its ``Store.memory()["warm"]``), ``[start,
+    end]`` in ms from ``first`` (``time.monotonic()`` is the system's monotonic clock, one
+    across processes: a companion's passes too); end NaN while it still runs, [] for a table
+    without a pass. Where it ends before 0 the arm's steps never ran beside it."""
     out = []
     for w in passes:
         t0, t1 = w.get("started_at", 0.0), w.get("ended_at", 0.0)
@@ -804,7 +808,7 @@ def paired_steps(
                 new_bufs(bufs, self.dec)
             total = 0.0
             s0 = thread_sleeps()  # (read per block: a /proc read inside a step would cost)
-            c0 = cpu_busy_ticks()
+            c0 = cpu_busy_ticks() if args.engine_cpu is not None else []
             if not self.first_at:
                 self.first_at = time.monotonic()
             for _ in range(n):
@@ -820,8 +824,8 @@ def paired_steps(
                 self.look_s += Clock.total
                 self.cpus.append(current_cpu())
             self.sleeps += thread_sleeps() - s0
-            c1 = cpu_busy_ticks()
-            if args.engine_cpu is not None and len(c0) == len(c1):
+            c1 = cpu_busy_ticks() if c0 else []
+            if c0 and len(c0) == len(c1):
                 self.others += sum(
                     b - a for i, (a, b) in enumerate(zip(c0, c1)) if i != args.engine_cpu
                 )
@@ -849,7 +853,7 @@ def paired_steps(
     if diff:  # where the two decodes part: the step, and which sequences of the batch
         i = diff[0]
         first = {"step": i, "sequences": np.flatnonzero(ram.toks[i] != arm.toks[i]).tolist()}
-    return {
+    doc: dict[str, Any] = {
         "paired_vs_ram": t_ram / t_arm,
         "paired_block_median": float(np.median(ratios)),
         "paired_blocks": blocks,
@@ -869,11 +873,15 @@ def paired_steps(
         # the engine thread's waits a step, [in-RAM, arm]: for a read, or for the GIL while
         # another thread of the process (a background warm, a prefetcher) ran Python
         "paired_sleeps_per_step": [x.sleeps / max(1, len(x.toks)) for x in (ram, arm)],
-        # the other CPUs' busy time a step (ms, with --engine-cpu), [in-RAM, arm]: what ran
-        # beside the engine thread (the library's threads, the kernel's reads, other jobs)
-        "paired_other_cpus_ms": [x.others * 1e3 / TICKS / max(1, len(x.toks)) for x in (ram, arm)],
         "first_step_at": arm.first_at,
     }
+    if args.engine_cpu is not None:
+        # the other CPUs' busy time a step (ms), [in-RAM, arm]: what ran beside the engine
+        # thread (the library's threads, the kernel's reads, other jobs)
+        doc["paired_other_cpus_ms"] = [
+            x.others * 1e3 / TICKS / max(1, len(x.toks)) for x in (ram, arm)
+        ]
+    return doc
 
 
 def pin_engine(args: argparse.Namespace) -> None:
@@ -887,7 +895,7 @@ def pin_engine(args: argparse.Namespace) -> None:
 #: Steps per block of the ``--paired`` alternation.
 PAIR_BLOCK = 8
 #: Clock ticks a second (``/proc/stat``'s unit).
-TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # -- the training-side figure -------------------------------------------------------------------
