@@ -97,8 +97,9 @@ the scheduler puts the decoding thread there; ``--engine-cpu N`` pins it, from t
 on, for both the arm and the in-RAM baseline). Then the warm per-step lookup of the module vs
 ``nn.Embedding`` (same processes' figures), and the training-side figure: corpus -> e_t
 (``db.stream``) -> a torch training step, tokens/s, against the same loop fed by
-``np.take`` from the table in anonymous memory (feed only and feed + step). Writes
-probes/out/e2e_decode.json.
+``np.take`` from the table in anonymous memory (feed only and feed + step), with how many CPUs
+the feed's process used, how many other processes took, and what its stream found at open
+(the table's resident share, its warm pass). Writes probes/out/e2e_decode.json.
 """
 
 from __future__ import annotations
@@ -924,17 +925,33 @@ def train_child(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
 
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for with_step in (False, True):
         db = engramdb.open(root / "db")
+        c0, p0 = sum(cpu_busy_ticks()), os.times()
         t0 = time.perf_counter()
         n = 0
-        for toks, e_t in db.stream(corpus, preset=h, table=f"l{lay}", layer=lay, batch_tokens=bt):
+        s = db.stream(corpus, preset=h, table=f"l{lay}", layer=lay, batch_tokens=bt)
+        for toks, e_t in s:
             e = torch.from_numpy(e_t).view(torch.float32).view(-1, DIM * HEADS)
             if with_step:
                 train_step(e)
             n += len(toks)
-        out["stream_train" if with_step else "stream_feed"] = n / (time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        c1, p1 = sum(cpu_busy_ticks()), os.times()
+        key = "stream_train" if with_step else "stream_feed"
+        out[key] = n / wall
+        # what the stream had (both CPUs?) and found (the table resident? a warm pass first?)
+        own = (p1.user - p0.user) + (p1.system - p0.system)
+        st = s.stats()
+        out[key + "_run"] = {
+            "cores": own / wall,
+            "others_cores": max(0.0, (c1 - c0) / tick - own) / wall if c0 and c1 else None,
+            "mode": st.get("mode"),
+            "resident_before": st.get("resident_before"),
+            "warm_seconds": st.get("warm_seconds"),
+        }
         db.close()
     table = np.fromfile(table_path(root, lay), dtype=np.uint8).reshape(-1, ROW_BYTES)
     buf = np.empty((bt * HEADS, ROW_BYTES), np.uint8)
@@ -1275,6 +1292,16 @@ def main() -> None:
                 f"1 M/s); feed + training step {tr['stream_train'] / 1e3:.1f} k vs "
                 f"{tr['ram_train'] / 1e3:.1f} k tokens/s ({tr['stream_train'] / tr['ram_train']:.2f}x)"
             )
+            run = tr.get("stream_feed_run")
+            if run:  # what a slow feed figure had and found
+                others = run["others_cores"]
+                print(
+                    f"  the feed's stream: {run['mode']} mode, table "
+                    f"{(run['resident_before'] or 0):.1%} resident at open, its warm pass "
+                    + (f"{run['warm_seconds']:.2f} s" if run["warm_seconds"] else "not run")
+                    + f"; the process used {run['cores']:.2f} CPUs"
+                    + (f", other processes {others:.2f}" if others is not None else "")
+                )
         doc["tokens_identical"] = ok
         print(f"tokens identical in every arm: {ok}; wrote {write_json('e2e_decode', doc)}")
     finally:
