@@ -1286,7 +1286,7 @@ def main() -> None:
             tr = train_run(args, root)
             doc["train"] = tr
             print(
-                f"training side (layer 1 table, warm, batch 8192 tokens, single thread): e_t feed "
+                f"training side (layer 1 table, warm, batch 8192 tokens, torch on one thread): e_t feed "
                 f"db.stream {tr['stream_feed'] / 1e6:.2f} M tokens/s vs np.take from RAM "
                 f"{tr['ram_feed'] / 1e6:.2f} M ({tr['stream_feed'] / tr['ram_feed']:.2f}x; bar >= "
                 f"1 M/s); feed + training step {tr['stream_train'] / 1e3:.1f} k vs "
