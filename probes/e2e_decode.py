@@ -926,7 +926,6 @@ def train_child(args: argparse.Namespace) -> None:
         opt.step()
 
     out: dict[str, Any] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for with_step in (False, True):
         db = engramdb.open(root / "db")
         c0, p0 = sum(cpu_busy_ticks()), os.times()
@@ -947,7 +946,7 @@ def train_child(args: argparse.Namespace) -> None:
         st = s.stats()
         out[key + "_run"] = {
             "cores": own / wall,
-            "others_cores": max(0.0, (c1 - c0) / tick - own) / wall if c0 and c1 else None,
+            "others_cores": max(0.0, (c1 - c0) / TICKS - own) / wall if c0 and c1 else None,
             "mode": st.get("mode"),
             "resident_before": st.get("resident_before"),
             "warm_seconds": st.get("warm_seconds"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from warm_checks import fetch_into_fast_when_mapped
 
 import engramdb
 from engramdb.errors import TruncatedFile
@@ -232,21 +233,12 @@ def test_fetch_into_fast_path_of_column_split_rows(
         st.populate()
         assert st._cols_fast
         st.fetch(np.arange(300))  # the read rule's first batch finds the rows resident
-        fast = 0
-        for size in (300, 4000):
-            ids = rng.integers(0, n, size)
-            out = np.empty((size, 264), np.uint8)
-            # served by the fast path whenever the read rule is in its mapped state (a slow
-            # gather on a busy machine may move it out, and the next call takes the general
-            # path: right rows either way)
-            mapped, calls = st.mapped_state(), st._fast_counts["calls"]
-            assert st.fetch_into(ids, out) is out
+        batches = [
+            (rng.integers(0, n, size), np.empty((size, 264), np.uint8)) for size in (300, 4000)
+        ]
+        fetch_into_fast_when_mapped(st, batches)
+        for ids, out in batches:
             assert np.array_equal(out, want[ids])
-            if mapped:
-                assert st._fast_counts["calls"] == calls + 1
-                fast += 1
-        if not fast:
-            pytest.skip("the read rule never stayed in its mapped state (a busy machine)")
         # the ids are checked by the compiled gather itself (no numpy pass over them first):
         # an id out of range, small batch or large (split across the pool where it may), at
         # either end, raises naming it and its place, and leaves ``out`` untouched

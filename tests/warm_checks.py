@@ -25,3 +25,21 @@ def warm_pass(store: Any, **options: Any) -> Any:
 
     shards = [(fd, int(sh.bytes)) for fd, sh in zip(store.fd_array.tolist(), store.info.shards)]
     return BackgroundWarm(int(store.array().ctypes.data), shards, **options)
+
+
+def fetch_into_fast_when_mapped(store: Any, batches: list[tuple[Any, Any]]) -> None:
+    """``store.fetch_into(ids, out)`` for each ``(ids, out)``; every call made while the
+    table's read rule is in its mapped state must take the mapped fast path (a slow gather
+    on a busy machine may move the ``auto`` rule out of it, and the next call takes the
+    general path, right rows either way). Skips where no call was made in that state."""
+    import pytest
+
+    fast = 0
+    for ids, out in batches:
+        mapped, calls = store.mapped_state(), store._fast_counts["calls"]
+        assert store.fetch_into(ids, out) is out
+        if mapped:
+            assert store._fast_counts["calls"] == calls + 1
+            fast += 1
+    if not fast:
+        pytest.skip("the read rule never stayed in its mapped state (a busy machine)")
