@@ -9,7 +9,6 @@ E8M0 block scales is dequantised. No gradients: the table is read-only.
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from typing import Any
@@ -21,14 +20,12 @@ from engramdb.io.columns import globalizer, heads_checker, rows_matcher
 from engramdb.read.prefetch import take_kept
 from engramdb.read.step_plan import StepTicket
 from engramdb.read.steps import StepReader
-from engramdb.rowcodec import codec_for
 from engramdb.table_api import RowTable
-from engramdb.torch_rows import Hot, RowDecoder, hand_over, ids_to_numpy
+from engramdb.torch_rows import DiskEmbedding, DiskTable, Hot, hand_over, ids_to_numpy
 from engramdb.validate import SmallBounds, unsigned_max
 
 try:
     import torch
-    from torch import nn
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
@@ -39,68 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 _LANE_IDS = 256
 
 
-class _DiskTable(nn.Module):
-    """A read-only EngramDB table decoded by its dtype hint (shared by the modules below)."""
-
-    def __init__(
-        self,
-        store: RowTable,
-        *,
-        out_dtype: torch.dtype | None = None,
-        scale: float | None = None,
-        dim: int | None = None,
-    ):
-        super().__init__()
-        self.store = store
-        self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
-        self._decode = RowDecoder(self.codec, out_dtype, scale)
-        self._setup()
-
-    def _setup(self) -> None:
-        """What a module adds once the table and codec are set (the constructor is shared)."""
-
-
-class DiskEmbedding(_DiskTable):
-    """``nn.Embedding`` whose weight is an EngramDB table (global row ids).
-
-    ``forward(ids)`` returns ``[*ids.shape, dim]`` in the table's dtype (or ``out_dtype``).
-    Cost: one batched gather into a fresh output tensor (raw dtypes: no further copy);
-    scaled FP8 rows are staged in a reused per-thread buffer, then dequantised. Bad ids raise
-    `RowIdOutOfRange` (an ``IndexError``, as ``nn.Embedding`` raises).
-    """
-
-    def _setup(self) -> None:
-        self.num_embeddings = self.store.n_rows
-        self.embedding_dim = self.codec.dim
-        self._staging = threading.local()
-
-    def _raw(self, n: int) -> torch.Tensor:
-        if self._decode.is_view:  # the output aliases the fetched bytes: fresh each call
-            return torch.empty((n, self.codec.row_bytes), dtype=torch.uint8)
-        buf = getattr(self._staging, "buf", None)
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty((max(n, 256), self.codec.row_bytes), dtype=torch.uint8)
-            self._staging.buf = buf
-        return buf[:n]
-
-    def forward(self, ids: Any) -> torch.Tensor:
-        flat = ids_to_numpy(ids)
-        shape = tuple(flat.shape)
-        flat = flat.reshape(-1)
-        raw = self._raw(flat.size)
-        with torch.no_grad():
-            self.store.fetch_into(flat, raw.numpy())
-            out = self._decode(raw)
-        return out.reshape(*shape, self.codec.dim)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, table={self.store.name!r}, "
-            f"hint={self.codec.hint!r}"
-        )
-
-
-class DiskMultiHeadEmbedding(_DiskTable):
+class DiskMultiHeadEmbedding(DiskTable):
     """Per-head lookup: int64 local ids ``[B, L, H]`` → ``[B, L, H, dim]``.
 
     Keeps an ``offsets`` buffer (the global id of each head's row 0) like the in-memory
@@ -214,6 +150,7 @@ class DiskMultiHeadEmbedding(_DiskTable):
         # to wait for); others by the table's prefetcher.
         self._reader: StepReader | None = None
         self._reader_ok = self._fast and StepReader.available()
+        self._steady = self._reader_ok and process is None  # (`_prefetch_steady`)
         #: How often (seconds) `prefetch` looks whether a table not served from its mapping
         #: has become resident (then the forward reads it, and prefetches stop).
         self.resident_recheck_s = 0.1
@@ -289,6 +226,10 @@ class DiskMultiHeadEmbedding(_DiskTable):
         the gather, counted in `prefetch_skips`) — never while the table's background warm
         reads it. A second call replaces a pending one. With ``process=``, the rows are read in
         that process (always: it decides resident or cold)."""
+        if self._steady and type(local_ids) is torch.Tensor:
+            done = self._prefetch_steady(local_ids)
+            if done is not None:
+                return done
         proc = self._proc
         if proc is not None and proc.hands_over:
             done = hand_over(self._hot, local_ids, proc, self._proc_slot, self._keys)
@@ -330,6 +271,48 @@ class DiskMultiHeadEmbedding(_DiskTable):
             hot.ticket_src = None
         else:  # with torch's counter of in-place changes to it (what autograd checks)
             hot.ticket_src = (local_ids, local_ids._version, shape)  # noqa: SLF001
+        hot.prefetches += 1
+        return True
+
+    def _prefetch_steady(self, local_ids: torch.Tensor) -> bool | None:
+        """`prefetch` of a CPU int64 ``[B, L, H]`` tensor where this module's step reader
+        exists, in as few statements as it takes: the step's first call runs just after the
+        model's compute has evicted its code and data, and each statement costs ~1 us then
+        (the general path's first call of a B=8 step took 130-190 us, this one about 70 less:
+        docs/probes.md, 44th stop). None where another case holds: the general path runs."""
+        reader, to_global = self._reader, self._global_at
+        try:
+            arr = local_ids.numpy()  # a view; a device tensor raises
+        except (TypeError, RuntimeError, ValueError):
+            return None
+        if reader is None or to_global is None or arr.ndim != 3:
+            return None
+        flat = np.empty(arr.size, np.int64)
+        if to_global(arr, self._bounds_bytes, self._offsets_bytes, flat) != 1:
+            return None  # out of range, or not contiguous [..., H]: the general path says
+        hot = self._hot
+        old = hot.ticket
+        if old is not None:
+            old.cancel()
+            hot.ticket = hot.ticket_ids = hot.ticket_src = None
+        if not self._warming():  # (as `prefetch` says)
+            if self._mapped_ok():
+                hot.resident_skips += 1
+                return False
+            now = time.monotonic()
+            if now - self._checked_at >= self.resident_recheck_s:
+                self._checked_at = now
+                if self.store.rows_resident(flat):  # type: ignore[attr-defined]
+                    hot.resident_skips += 1
+                    return False
+        store: Any = self.store
+        ticket = StepTicket(flat)
+        if not reader.submit_fast(store, flat, ticket):
+            if not reader.submit([(store, flat, ticket)], ordered=True):
+                return None  # (nothing submitted: the general path reads it another way)
+        hot.ticket = ticket
+        hot.ticket_ids = flat
+        hot.ticket_src = (local_ids, local_ids._version, (*arr.shape, self._rb))  # noqa: SLF001
         hot.prefetches += 1
         return True
 

@@ -1,4 +1,5 @@
-"""Fetched table rows as torch values (the part of `engramdb.torch` below its modules).
+"""Fetched table rows as torch values (the part of `engramdb.torch` below its multi-head
+module): the modules' shared base `DiskTable` and `DiskEmbedding`.
 
 `RowDecoder` turns raw rows ``uint8 [n, row_bytes]`` into values by the table's dtype hint
 (`engramdb.rowcodec`): raw dtypes are reinterpreted without a copy, FP8 is widened, FP8 with
@@ -7,20 +8,31 @@ E8M0 block scales is dequantised; `ids_to_numpy` takes the ids a module is given
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from engramdb.errors import InvalidDtype, MissingDependency
 from engramdb.read.step_plan import StepTicket
-from engramdb.rowcodec import RowCodec
+from engramdb.rowcodec import RowCodec, codec_for
+from engramdb.table_api import RowTable
 
 try:
     import torch
+    from torch import nn
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependency("engramdb.torch needs PyTorch: pip install 'engramdb[torch]'") from e
 
-__all__ = ["Hot", "RowDecoder", "hand_over", "ids_to_numpy", "torch_dtype"]
+__all__ = [
+    "DiskEmbedding",
+    "DiskTable",
+    "Hot",
+    "RowDecoder",
+    "hand_over",
+    "ids_to_numpy",
+    "torch_dtype",
+]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -131,3 +143,65 @@ def hand_over(hot: Hot, local_ids: Any, proc: Any, slot: int, keys: tuple[Any, .
     hot.ticket_src = (local_ids, local_ids._version, (*shape, rb))  # noqa: SLF001
     hot.prefetches += 1
     return True
+
+
+class DiskTable(nn.Module):
+    """A read-only EngramDB table decoded by its dtype hint (the base of `DiskEmbedding` and
+    `engramdb.torch.DiskMultiHeadEmbedding`)."""
+
+    def __init__(
+        self,
+        store: RowTable,
+        *,
+        out_dtype: torch.dtype | None = None,
+        scale: float | None = None,
+        dim: int | None = None,
+    ):
+        super().__init__()
+        self.store = store
+        self.codec = codec_for(store.dtype, store.row_bytes, dim if dim is not None else store.dim)
+        self._decode = RowDecoder(self.codec, out_dtype, scale)
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a module adds once the table and codec are set (the constructor is shared)."""
+
+
+class DiskEmbedding(DiskTable):
+    """``nn.Embedding`` whose weight is an EngramDB table (global row ids).
+
+    ``forward(ids)`` returns ``[*ids.shape, dim]`` in the table's dtype (or ``out_dtype``).
+    Cost: one batched gather into a fresh output tensor (raw dtypes: no further copy);
+    scaled FP8 rows are staged in a reused per-thread buffer, then dequantised. Bad ids raise
+    `RowIdOutOfRange` (an ``IndexError``, as ``nn.Embedding`` raises).
+    """
+
+    def _setup(self) -> None:
+        self.num_embeddings = self.store.n_rows
+        self.embedding_dim = self.codec.dim
+        self._staging = threading.local()
+
+    def _raw(self, n: int) -> torch.Tensor:
+        if self._decode.is_view:  # the output aliases the fetched bytes: fresh each call
+            return torch.empty((n, self.codec.row_bytes), dtype=torch.uint8)
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((max(n, 256), self.codec.row_bytes), dtype=torch.uint8)
+            self._staging.buf = buf
+        return buf[:n]
+
+    def forward(self, ids: Any) -> torch.Tensor:
+        flat = ids_to_numpy(ids)
+        shape = tuple(flat.shape)
+        flat = flat.reshape(-1)
+        raw = self._raw(flat.size)
+        with torch.no_grad():
+            self.store.fetch_into(flat, raw.numpy())
+            out = self._decode(raw)
+        return out.reshape(*shape, self.codec.dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, table={self.store.name!r}, "
+            f"hint={self.codec.hint!r}"
+        )

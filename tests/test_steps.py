@@ -290,6 +290,59 @@ def test_a_ticket_whose_reads_are_in_is_served_by_the_fast_path(
         other.close()
 
 
+def test_a_repeated_one_table_step_takes_the_short_submission(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """`StepReader.submit_fast`: after an ordered one-table step read the long way, a step of
+    the same table and row count is submitted by the short path, with the same rows; it
+    declines (nothing submitted) for another row count, another table, a step whose reads
+    are still in flight, after a step of two tables, before any step, and for a table of
+    several files; the long path then reads it."""
+    full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
+    engramdb.build(tmp_path, "a", 160, [full])  # one shard each: one file
+    engramdb.build(tmp_path, "b", 160, [full[::-1].copy()])
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        a, b = db["a"], db["b"]
+        for st in (a, b):
+            evict(tmp_path / st.info.shards[0].path)
+        reader = _reader(True)
+
+        def step(store: Any, ids: np.ndarray, fast: bool) -> np.ndarray:
+            t = StepTicket(ids)
+            assert reader.submit_fast(store, ids, t) is fast
+            if not fast:
+                assert reader.submit([(store, ids, t)], ordered=True)
+            out = np.zeros((ids.size, 160 // reader.step_unit, reader.step_unit), np.uint8)
+            assert reader.finish_into(out, t) and t.state == "done"
+            return out.reshape(ids.size, 160)
+
+        ids = [rng.integers(0, 4000, 24).astype(np.int64) for _ in range(12)]
+        assert np.array_equal(step(a, ids[0], False), full[ids[0]])  # no step before
+        for k in range(1, 8):  # the ring's positions come round: each one's entries kept
+            assert np.array_equal(step(a, ids[k], True), full[ids[k]])
+        assert np.array_equal(step(a, ids[8][:20], False), full[ids[8][:20]])  # other count
+        assert np.array_equal(step(b, ids[9][:20], False), full[::-1][ids[9][:20]])
+        t = StepTicket(ids[10][:20])
+        assert reader.submit_fast(b, ids[10][:20], t)  # in flight, not reaped:
+        assert not reader.submit_fast(b, ids[11][:20], StepTicket(ids[11][:20]))
+        t.wait()
+        assert np.array_equal(t.rows, full[::-1][ids[10][:20]])
+        two = [StepTicket(ids[0]), StepTicket(ids[1])]
+        assert reader.submit([(a, ids[0], two[0]), (b, ids[1], two[1])], ordered=True)
+        for tk in two:
+            tk.wait()
+        assert not reader.submit_fast(a, ids[2], StepTicket(ids[2]))  # after two tables
+        reader.close()
+    engramdb.build(tmp_path, "m", 160, [full], rows_per_badge=128, shard_bytes=64 << 10)
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        m = db["m"]
+        assert len(m.info.shards) > 1
+        reader = _reader(True)
+        for k in range(3):  # descriptors change per step: always the long path
+            assert np.array_equal(step(m, ids[k], False), full[ids[k]])
+        reader.close()
+
+
 def test_a_hand_over_before_the_submitter_loop_starts_is_submitted(
     tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -390,6 +390,40 @@ def test_module_prefetch_then_forward_equals_the_table(tmp_path: Path) -> None:
         assert torch.equal(got, mods[1].multi_head_embedding(ids))
 
 
+def test_module_prefetch_of_a_repeated_shape_takes_the_short_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module's prefetches of CPU int64 ``[B, L, H]`` tensors after its first: the short
+    path (`_prefetch_steady`, the step reader's `submit_fast`), rows equal to the table's;
+    ids of another dtype take the general path, with the same rows."""
+    from engramdb.read.steps import StepReader
+
+    h, mods = _peft_tables(tmp_path, layers=(1,))
+    fast: list[bool] = []
+    submit_fast = StepReader.submit_fast
+
+    def spy(self: StepReader, *args: object) -> bool:
+        fast.append(submit_fast(self, *args))  # type: ignore[arg-type]
+        return fast[-1]
+
+    monkeypatch.setattr(StepReader, "submit_fast", spy)
+    toks = np.random.default_rng(5).integers(0, 100, (4, 12))
+    with engramdb.open(tmp_path, background_warm=False) as db:
+        m = DiskMultiHeadEmbedding(db["l1"])
+        if not m._steady or m._global_at is None:
+            pytest.skip("no step reader or compiled ids check here")
+        m.resident_recheck_s = 3600.0  # looked at once (cold), then always prefetched
+        for t in range(1, 12):
+            ids = torch.from_numpy(h.local_ids(toks[:, : t + 1], layer=1)[:, -1:].copy())
+            if t == 6:
+                ids = ids.to(torch.int32)  # the general path (no step reader call counted)
+            assert m.prefetch(ids)
+            assert torch.equal(m(ids), mods[1].multi_head_embedding(ids.long()))
+        # every step but the first (it made the step reader) and the int32 one
+        assert fast == [True] * 9
+        assert m.prefetches == 11 and m.served_from_prefetch == 11
+
+
 def test_module_prefetch_ids_compiled_and_numpy_agree(tmp_path: Path) -> None:
     """A prefetch's validated global ids: the compiled call (contiguous CPU int64 tensors)
     and the numpy path give the same rows, accept each head's last row and refuse one past

@@ -45,7 +45,6 @@ read again with ``pread``.
 
 from __future__ import annotations
 
-import errno as _errno
 import mmap
 import weakref
 
@@ -64,7 +63,6 @@ from engramdb.layouts.geometry import PAGE
 from engramdb.read import read_order
 from engramdb.read.step_plan import (
     CANCELLED,
-    DONE,
     FAILED,
     RUNNING,
     Layout,
@@ -74,12 +72,11 @@ from engramdb.read.step_plan import (
     direct_layout,
     plan_spans,
     release,
-    reread,
     staged,
     stride,
     take_step,
-    wait_ring,
 )
+from engramdb.read.step_reap import StepCollector
 
 __all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
 _Job = tuple[StepTable, np.ndarray, StepTicket]  # a layer's table, row ids and ticket
@@ -94,7 +91,7 @@ _PER_READ_S = 1.1e-5
 MAX_STEP_ROWS = 32768
 
 
-class StepReader:
+class StepReader(StepCollector):
     """See the module docstring. `available` says whether this process can use it at all;
     `submit` returns False (nothing submitted) for a step it cannot read (a table assembled
     from several tensors, tables of different row widths, a file system that refuses
@@ -122,6 +119,7 @@ class StepReader:
         # per ticket: completions reaped one by one (`_reap`), and the sum of their results
         self._counts = self._sums = np.zeros(0, np.int64)
         self._warmed: set[int] = set()  # tables told of a cold read (their warm starts)
+        self._last: tuple[StepTable, Plan] | None = None  # a one-table step (`submit_fast`)
         self.closed = False
         self.retried = 0  # rows read again by ``pread`` after a short or interrupted read
         #: The compiled writer of a step's reads and copier of its rows
@@ -236,9 +234,7 @@ class StepReader:
                 if self._ring_plan is not plan:
                     self._cols.clear()
                     self._ring_plan = plan
-                ring.sqes[pos : pos + n] = staged(ring.stage, plan)
-                words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
-                cols = self._cols[pos] = (words[:, 1], words[:, 3])
+                cols = self._stage_at(ring, plan, pos, n)
             if computed or not self._spans_compiled(layer_ids, plan, ring, pos):
                 if not computed:
                     plan_spans(plan, layer_ids)
@@ -283,16 +279,79 @@ class StepReader:
         r = submit_pushed(ring, n, first, lead, after)
         if lead:
             read_order.led(r == 1)
+        # a step of one table read the long way: the next such step may take `submit_fast`
+        single = len(jobs) == 1 and ordered and not computed and self._ring_plan is plan
+        self._last = (jobs[0][0], plan) if single else None
         if r < 0:
-            err = read_error(-r, int(plan.src_fd[0]), int(plan.off[0]), "io_uring_enter failed")
-            self._left = 0
-            for t in self._tickets:
-                t.error, t.state = err, FAILED
-            self._tickets = []
-            self._ring = None  # a fresh ring next time
-            self._owned[0] = None
-            ring.close()
+            self._failed(ring, plan, r)
         return True
+
+    def submit_fast(self, store: StepTable, ids: np.ndarray, t: StepTicket) -> bool:
+        """`submit` (``ordered``) of one table's rows in its steady state, in a few
+        statements: the last step read the same table's same number of rows, each of its
+        reads was reaped, and the ring's next entries already hold the plan's fixed fields;
+        one compiled call then writes the reads' offsets and lengths. False (nothing
+        submitted) where that does not hold: `submit` reads it the long way."""
+        last = self._last
+        spans = self._spans_fn
+        if last is None or spans is None or last[0] is not store or self._left or self.closed:
+            return False
+        plan, ring = last[1], self._ring
+        n = plan.n
+        if ids.size != n or ring is None or self._ring_plan is not plan or self._plan is not plan:
+            return False
+        tail = int(ring.sq_tail[0])
+        pos = tail & ring.sq_mask
+        if pos + n > ring.entries:
+            return False
+        if pos not in self._cols:
+            self._stage_at(ring, plan, pos, n)
+        try:
+            plan.span_total = spans(
+                (ids,), plan.base, plan.rb, plan.align, plan.off, plan.tmp,
+                plan.ip, plan.span, ring.sqes, pos, plan.part_span, n,
+            )  # fmt: skip
+        except (ValueError, BufferError, TypeError):
+            return False
+        ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
+        self._checked = self._routed = False
+        self._error = None
+        self._ready.clear()
+        self._indexed.clear()
+        self._left = n
+        t.reader, t.store, t.lo, t.hi, t.k, t.state = self, store, 0, n, 0, RUNNING
+        self._tickets = [t]
+        self._ordered = True
+        lead, after = read_order.begin(self)
+        FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
+        r = submit_pushed(ring, n, 0, lead, after)
+        if lead:
+            read_order.led(r == 1)
+        if r < 0:
+            self._failed(ring, plan, r)
+        return True
+
+    def _stage_at(self, ring: Ring, plan: Plan, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Entries ``pos .. pos + n - 1`` of ``ring`` given ``plan``'s fixed fields (its
+        descriptors, staging addresses, tags), kept for later steps at ``pos``; their offset
+        and length words (the columns a step writes)."""
+        ring.sqes[pos : pos + n] = staged(ring.stage, plan)
+        words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
+        cols = self._cols[pos] = (words[:, 1], words[:, 3])
+        return cols
+
+    def _failed(self, ring: Ring, plan: Plan, r: int) -> None:
+        """The step's ``io_uring_enter`` failed with ``r`` (-errno): its tickets fail, and
+        the next step gets a fresh ring."""
+        err = read_error(-r, int(plan.src_fd[0]), int(plan.off[0]), "io_uring_enter failed")
+        self._left = 0
+        for t in self._tickets:
+            t.error, t.state = err, FAILED
+        self._tickets = []
+        self._ring = None  # a fresh ring next time
+        self._owned[0] = None
+        self._last = None
+        ring.close()
 
     def _spans_compiled(self, ids: list[np.ndarray], plan: Plan, ring: Ring, pos: int) -> bool:
         """The step's reads (``ids``: each table's row ids) of one file per table written
@@ -312,270 +371,6 @@ class StepReader:
         return True
 
     # -- completion --------------------------------------------------------------------------
-    def _reap_step(self) -> bool:
-        """Every completion of the step in flight, waited for; True when each read returned
-        its whole span (their sum is the step's: no read returns more than asked), without
-        looking at them one by one. False: the slow path (`_reap`, per request) follows."""
-        ring, plan = self._ring, self._plan
-        assert ring is not None and plan is not None
-        take, left = self._take_fn, self._left
-        r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
-        if r == 0:  # not all in: wait for the rest
-            wait_ring(ring, left - ((int(ring.cq_tail[0]) - int(ring.cq_head[0])) & 0xFFFFFFFF))
-            r = take(ring.cq_head, ring.cq_tail, ring.cqes, left, plan.span_total)
-        if r != 1:
-            return False
-        self._left = 0
-        return True
-
-    def _reap(self, wait: bool, hold: int = 0) -> None:
-        """Route the completions in the ring (waiting for one first where ``wait`` and there
-        are none, submitting any entries still pending but the last ``hold``) into ``_got``
-        and the tickets' counts."""
-        ring, plan = self._ring, self._plan
-        assert ring is not None and plan is not None
-        self._step_counts()
-        n = self._route(ring, plan)
-        if n == 0 and wait:
-            r = wait_ring(ring, 1, hold)
-            if r < 0 and r not in (-_errno.EINTR, -_errno.EAGAIN, -_errno.EBUSY):
-                raise read_error(-r, int(plan.src_fd[0]), 0, "io_uring_enter failed")
-            n = self._route(ring, plan)
-        if n:
-            self._left -= n
-            self._routed = True
-
-    def _step_counts(self) -> np.ndarray:
-        """The step's completions per ticket, zeroed (with their results' sums) before its
-        first completion is routed (most steps never route one by one: `_reap_step`)."""
-        if not self._routed:
-            self._counts, self._sums = np.zeros((2, len(self._tickets)), np.int64)
-        return self._counts
-
-    def _route(self, ring: Ring, plan: Plan) -> int:
-        """Every completion now in ``ring``: its result to its request, its ticket's count up
-        by one and its result into the ticket's sum, its slot freed; one compiled pass where
-        built. Returns how many."""
-        if self._route_fn is not None:
-            return self._route_fn(
-                ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, self._counts,
-                self._sums,
-            )  # fmt: skip
-        got = ring.reap()
-        ud = got["user_data"].astype(np.int64)
-        self._got[ud] = got["res"]
-        where = np.searchsorted(plan.ends, ud, side="right")
-        t = len(self._counts)
-        self._counts += np.bincount(where, minlength=t)[:t]
-        self._sums += np.bincount(where, got["res"], minlength=t)[:t].astype(np.int64)
-        return int(got.size)
-
-    def collect(self, t: StepTicket) -> None:
-        """Wait for ``t``'s reads, check them and hand it its rows (`StepTicket.wait`). The
-        first collect of a step waits for every read of the step (issued together, they
-        land together) and checks them all; each ticket then copies its rows out."""
-        if t.state != RUNNING:
-            return
-        if self._ordered:
-            read_order.end()
-        plan = self._checked_plan(t)
-        if plan is None:
-            t.error, t.state = self._error, FAILED
-            return
-        units = self._units(plan)
-        self._index(plan, t)
-        t.rows = units.take(plan.idx[t.lo : t.hi], 0).reshape(t.hi - t.lo, plan.rb)
-        t.state = DONE
-
-    @property
-    def step_unit(self) -> int:
-        """The copy unit of the step in flight (`finish_into` destinations end in it)."""
-        plan = self._plan
-        return plan.unit if plan is not None else 1
-
-    def finish_into(self, dest: np.ndarray, t: StepTicket | None = None) -> bool:
-        """Wait for the step in flight and copy rows straight into ``dest``: ticket ``t``'s,
-        or (None) every row of the step. ``dest``: uint8, shape ``grid + (row_bytes //
-        step_unit, step_unit)`` for a ``grid`` of those rows in submission order (e.g. the
-        ticket's ids' shape, or ``[L, B, H]`` for a step of L layers); may be a strided view
-        of the engine's buffer. Raises the step's error. False (nothing written) when the
-        rows were already collected."""
-        if t is not None:  # (no generator: a call of its own in this Python)
-            if t.state != RUNNING:
-                return False
-            if self.finish_fast(dest, t):
-                return True
-            tickets = [t]
-        else:
-            tickets = self._tickets
-            if not tickets or any(tk.state != RUNNING for tk in tickets):
-                return False
-        if self._ordered:
-            read_order.end()
-        plan = self._checked_plan(t)
-        if plan is None:
-            err = self._error
-            assert err is not None
-            for tk in tickets:
-                tk.error, tk.state = err, FAILED
-            raise err
-        copy = self._copy_fn
-        lo = 0 if t is None else t.lo
-        try:
-            if copy is None:
-                raise ValueError
-            copy(dest, self._buf, plan.slot, plan.ip, lo)  # one memcpy a row
-        except (ValueError, BufferError, TypeError):  # not built, or an unusual destination
-            for tk in tickets:
-                self._index(plan, tk)
-            idx = plan.idx if t is None else plan.idx[t.lo : t.hi]
-            self._units(plan).take(idx.reshape(dest.shape[:-1]), 0, out=dest, mode="clip")
-        for tk in tickets:
-            tk.state = DONE  # their rows went to the engine's buffer
-        return True
-
-    def finish_fast(self, dest: np.ndarray, t: StepTicket) -> bool:
-        """`finish_into` of ticket ``t`` in its steady state, in a few statements: the
-        completions in the ring routed to their tickets by one compiled pass, and where
-        each of ``t``'s reads is in and whole, its rows copied by another. False (nothing
-        written) where that does not hold: `finish_into` waits, checks and copies the long
-        way (from the routed counts)."""
-        copy, route = self._copy_fn, self._route_fn
-        if copy is None or route is None or t.state != RUNNING or t.reader is not self:
-            return False
-        plan = self._plan
-        assert plan is not None
-        if self._checked:
-            if self._error is not None:
-                return False
-        else:
-            if self._ordered:  # rows consumed: this thread's burst ends (`read_order`)
-                read_order.end()
-                self._ordered = False
-            if self._left:
-                ring = self._ring
-                assert ring is not None
-                counts = self._step_counts()
-                n = route(
-                    ring.cq_head, ring.cq_tail, ring.cqes, self._got, plan.ends, counts,
-                    self._sums,
-                )  # fmt: skip
-                self._left -= n
-                self._routed = True
-            k = t.k
-            # every read of the ticket in, and whole: their results' sum is its spans'
-            if self._counts[k] != t.hi - t.lo or self._sums[k] != plan.part_span[k]:
-                return False
-            if not self._left:
-                self._checked = True
-                self._error = None
-                self._note_reads(plan)
-        try:
-            copy(dest, self._buf, plan.slot, plan.ip, t.lo)
-        except (ValueError, BufferError, TypeError):  # an unusual destination
-            return False
-        t.state = DONE
-        return True
-
-    def _note_reads(self, plan: Plan) -> list[int] | None:
-        """The step's reads counted on their tables (`note_step_read`); each ticket's
-        device bytes where the step has several (None: one)."""
-        tickets = self._tickets
-        if len(tickets) == 1:
-            tickets[0].store.note_step_read(plan.n, plan.span_total)  # type: ignore[union-attr]
-            return None
-        parts = plan.part_span.tolist()
-        for t, part in zip(tickets, parts):
-            if t.store is not None:
-                t.store.note_step_read(t.hi - t.lo, part)
-        return parts  # type: ignore[no-any-return]
-
-    def _checked_plan(self, t: StepTicket | None = None) -> Plan | None:
-        """The step's plan once the reads of ticket ``t`` (None: the whole step) are reaped
-        and checked; None (``_error`` set) when a read failed. A ticket other than the step's last
-        waits only for its own reads where the others are still in flight (a large step:
-        the lower layer's rows come first)."""
-        plan = self._plan
-        assert plan is not None
-        if self._checked:
-            return None if self._error is not None else plan
-        tickets = self._tickets
-        if t is not None and t is not tickets[-1] and t.lo not in self._ready:
-            head = int(self._ring.cq_head[0])  # type: ignore[union-attr]
-            if (int(self._ring.cq_tail[0]) - head) & 0xFFFFFFFF < self._left:  # type: ignore[union-attr]
-                k = tickets.index(t)
-                while self._step_counts()[k] < t.hi - t.lo:
-                    # the later tickets' entries stay for the submitter (`submit`'s order)
-                    self._reap(wait=True, hold=plan.n - t.hi)
-                lo, hi = t.lo, t.hi
-                # every read whole: their sum is the ticket's (`_route`; numpy's check: ~50 us)
-                if int(self._sums[k]) != int(plan.part_span[k]):
-                    got, span = self._got[lo:hi], plan.span[lo:hi]
-                    err = self._reread(t.store, plan, np.flatnonzero(got != span) + lo)  # type: ignore[arg-type]
-                    if err is not None:
-                        self._error = err
-                        return None
-                self._ready.add(lo)
-                return plan
-        if t is not None and t.lo in self._ready:
-            return plan
-        self._checked = True
-        self._complete()
-        return None if self._error is not None else plan
-
-    def _index(self, plan: Plan, t: StepTicket) -> None:
-        """Each row's units in the staging buffer (``plan.idx``), for ticket ``t``'s rows
-        (once a step)."""
-        lo, hi = t.lo, t.hi
-        if lo not in self._indexed:
-            np.add(
-                plan.base_idx[lo:hi], (plan.ip[lo:hi] >> plan.shift)[:, None], out=plan.idx[lo:hi]
-            )
-            self._indexed.add(lo)
-
-    def _units(self, plan: Plan) -> np.ndarray:
-        units = plan.units
-        if units is None:
-            buf = self._buf
-            assert buf is not None
-            units = plan.units = buf[: buf.size // plan.unit * plan.unit].reshape(-1, plan.unit)
-        return units
-
-    def _complete(self) -> bool:
-        """Reap every completion of the step and check the reads; False (``_error`` set)
-        when one failed for good."""
-        fast = self._left > 0 and not self._routed and self._reap_step()
-        while self._left > 0:
-            self._reap(wait=True)
-        plan = self._plan
-        assert plan is not None
-        n = plan.n
-        self._error = None
-        parts = self._note_reads(plan)
-        # not `fast`: each completion was routed into its ticket's sum (numpy's sum: ~30 us)
-        if not fast and self._sums.tolist() != (parts or plan.part_span.tolist()):
-            got, span = self._got[:n], plan.span
-            bad = np.flatnonzero(got != span)
-            owner = self._owner_of(int(bad[0]))
-            err = self._reread(owner.store, plan, bad)  # type: ignore[arg-type]
-            if err is not None:
-                self._error = err
-                return False
-        return True
-
-    def _owner_of(self, i: int) -> StepTicket:
-        for tk in self._tickets:
-            if tk.lo <= i < tk.hi:
-                return tk
-        raise AssertionError(i)  # pragma: no cover - every request belongs to a ticket
-
-    def _reread(self, store: StepTable, plan: Plan, bad: np.ndarray) -> BaseException | None:
-        """`reread` of the requests ``bad`` into the staging buffer (counted in `retried`)."""
-        assert self._buf is not None
-        err, done = reread(self._buf, self._got, store, plan, bad)
-        self.retried += done
-        return err
-
     def drain(self) -> None:
         """Wait for every read of the current step (tickets not collected end cancelled)."""
         while self._left > 0 and self._ring is not None:

@@ -901,8 +901,9 @@ class LocalTable(RowTable):
         * row_bytes`` of descriptor ``r // rows_per_file`` (``rows_per_file`` 0: one file).
         None for an attached table assembled from several tensors."""
         seg = self._segments
-        if seg is None:
-            return list(self._fds), int(self.geometry.rows_per_shard), 0
+        if seg is None:  # (one shard: one file, its rows from byte 0)
+            one_file = len(self._fds) == 1
+            return list(self._fds), 0 if one_file else int(self.geometry.rows_per_shard), 0
         one = seg.single_layout()
         if one is None:
             return None
