@@ -48,13 +48,13 @@ def _rpb(row_bytes: int) -> int:
 
 
 def _reader(compiled: bool) -> StepReader:
-    """A step reader with its compiled entry writer, completion router and row copier, or
-    (``compiled`` False) with all three off, so numpy writes the entries, routes the
+    """A step reader with its compiled entry writers, completion router and row copier, or
+    (``compiled`` False) with all of them off, so numpy writes the entries, routes the
     completions and copies the rows; skips where they are not built."""
     reader = StepReader()
     if not compiled:
-        reader._spans_fn = reader._copy_fn = reader._route_fn = None
-    elif reader._spans_fn is None or reader._copy_fn is None or reader._route_fn is None:
+        reader._spans_fn = reader._files_fn = reader._copy_fn = reader._route_fn = None
+    elif None in (reader._spans_fn, reader._files_fn, reader._copy_fn, reader._route_fn):
         pytest.skip("the compiled step writer and copier are not built")
     return reader
 
@@ -63,10 +63,14 @@ def _edges(n: int, rng: np.random.Generator, k: int = 40) -> np.ndarray:
     return np.concatenate([[0, 1, n - 2, n - 1], rng.integers(0, n, k)]).astype(np.int64)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("row_bytes", [160, 264, 320, 2560, 5000])
 def test_rows_of_a_built_table_of_many_shards(
-    tmp_path: Path, rng: np.random.Generator, row_bytes: int
+    tmp_path: Path, rng: np.random.Generator, row_bytes: int, compiled: bool
 ) -> None:
+    """Each row's file found by its id: by one compiled call that writes each entry's
+    descriptor too, or by numpy (the entries staged again each step); the same rows, over
+    steps whose entries wrap the ring and steps that do not."""
     full = rng.integers(0, 256, (max(3000, 3 * _rpb(row_bytes)), row_bytes), dtype=np.uint8)
     # small shards: a step's rows come from several files
     rpb = _rpb(row_bytes)
@@ -77,12 +81,12 @@ def test_rows_of_a_built_table_of_many_shards(
         st = db["t"]
         assert len(st.step_layout()[0]) > 1  # type: ignore[index]
         evict(tmp_path / st.info.shards[0].path)
-        reader = StepReader()
-        for _ in range(3):  # the plan and ring are reused from step to step
-            ids = _edges(st.n_rows, rng)
-            (rows,) = _read(reader, [(st, ids)])
-            assert np.array_equal(rows, full[ids])
-        assert st.counters()["step_rows"] == 3 * ids.size
+        reader = _reader(compiled)
+        for step in range(9):  # the plan and ring reused; 2 x 44 rows: the ring wraps
+            a, b = _edges(st.n_rows, rng), _edges(st.n_rows, rng)
+            ra, rb = _read(reader, [(st, a), (st, b)])
+            assert np.array_equal(ra, full[a]) and np.array_equal(rb, full[b]), step
+        assert st.counters()["step_rows"] == 9 * 88
         reader.close()
 
 
@@ -296,8 +300,8 @@ def test_a_repeated_one_table_step_takes_the_short_submission(
     """`StepReader.submit_fast`: after an ordered one-table step read the long way, a step of
     the same table and row count is submitted by the short path, with the same rows; it
     declines (nothing submitted) for another row count, another table, a step whose reads
-    are still in flight, after a step of two tables, before any step, and for a table of
-    several files; the long path then reads it."""
+    are still in flight, after a step of two tables, and before any step; the long path
+    then reads it. A table of several files takes it too."""
     full = rng.integers(0, 256, (4000, 160), dtype=np.uint8)
     engramdb.build(tmp_path, "a", 160, [full])  # one shard each: one file
     engramdb.build(tmp_path, "b", 160, [full[::-1].copy()])
@@ -338,8 +342,9 @@ def test_a_repeated_one_table_step_takes_the_short_submission(
         m = db["m"]
         assert len(m.info.shards) > 1
         reader = _reader(True)
-        for k in range(3):  # descriptors change per step: always the long path
-            assert np.array_equal(step(m, ids[k], False), full[ids[k]])
+        assert np.array_equal(step(m, ids[0], False), full[ids[0]])
+        for k in range(1, 8):  # each entry's descriptor written with its offset
+            assert np.array_equal(step(m, ids[k], True), full[ids[k]])
         reader.close()
 
 

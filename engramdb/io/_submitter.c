@@ -649,6 +649,152 @@ done:
     return result;
 }
 
+/* spans_files(ids, parts, rb, align, off, start, ip, span, fd, src_fd, sqes, pos, totals, n)
+ *   -> total bytes
+ *   `spans` for a step whose tables may each span several files (a built table's shards):
+ *   each row's file found by its id as well, its descriptor written into its entry (byte 4)
+ *   and into fd / src_fd (int32 [n]: the O_DIRECT descriptor read, the table's own).
+ *   parts: one (rows_per_file, base, dfds, fds) per id buffer: row r of the table is at
+ *          base + (r % rows_per_file) * rb of file r // rows_per_file (rows_per_file 0: one
+ *          file, row r at base + r * rb); dfds / fds: int32, a descriptor per file
+ *   A negative id or one past the table's files: ValueError (entries up to it written, the
+ *   ring's tail not moved: the caller reads the step another way). */
+static PyObject *spans_files(PyObject *self, PyObject *args) {
+    PyObject *o_ids, *o_parts, *o_off, *o_start, *o_ip, *o_span, *o_fd, *o_src, *o_sqes, *o_tot;
+    long long rb, align;
+    Py_ssize_t pos, expect;
+    if (!PyArg_ParseTuple(args, "OOLLOOOOOOOnOn", &o_ids, &o_parts, &rb, &align, &o_off,
+                          &o_start, &o_ip, &o_span, &o_fd, &o_src, &o_sqes, &pos, &o_tot,
+                          &expect))
+        return NULL;
+    if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(o_ids, "ids must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    PyObject *pseq = PySequence_Fast(o_parts, "parts must be a sequence of tuples");
+    if (pseq == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t parts = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer idv[16], dv[16], fv[16], v[8];
+    long long rpf[16], base[16];
+    int nid = 0, nd = 0, nf = 0, held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    if (parts > 16 || PySequence_Fast_GET_SIZE(pseq) != parts) {
+        PyErr_SetString(PyExc_ValueError, "at most 16 id buffers, one part each");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        nid++;
+        const char *f = idv[i].format ? idv[i].format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (idv[i].itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+            PyErr_SetString(PyExc_ValueError, "ids must be int64");
+            goto done;
+        }
+        n += idv[i].len / 8;
+        PyObject *dfds, *fds;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pseq, i), "LLOO", &rpf[i], &base[i], &dfds,
+                              &fds))
+            goto done;
+        if (PyObject_GetBuffer(dfds, &dv[nd], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        nd++;
+        if (PyObject_GetBuffer(fds, &fv[nf], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        nf++;
+        if (rpf[i] < 0 || dv[i].len < 4 || dv[i].len != fv[i].len || dv[i].len % 4) {
+            PyErr_SetString(PyExc_ValueError, "a part's descriptors: int32, one per file");
+            goto done;
+        }
+    }
+    if (n != expect) {
+        PyErr_Format(PyExc_ValueError, "%zd ids, the plan has %zd", n, expect);
+        goto done;
+    }
+    PyObject *outs[6] = {o_off, o_start, o_ip, o_span, o_fd, o_src};
+    Py_ssize_t width[6] = {8, 8, 8, 8, 4, 4};
+    for (int i = 0; i < 6; i++) {
+        if (PyObject_GetBuffer(outs[i], &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            goto done;
+        held++;
+        if (v[i].len < n * width[i]) {
+            PyErr_SetString(PyExc_ValueError, "off / start / ip / span / fd / src_fd hold fewer than n");
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(o_sqes, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    held++;
+    if (v[6].len < (pos + n) * 64) {
+        PyErr_SetString(PyExc_ValueError, "the entries end before pos + n");
+        goto done;
+    }
+    if (PyObject_GetBuffer(o_tot, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    held++;
+    if (v[7].len < nid * 8) {
+        PyErr_SetString(PyExc_ValueError, "totals holds fewer than one per id buffer");
+        goto done;
+    }
+    int64_t *off = (int64_t *)v[0].buf, *start = (int64_t *)v[1].buf;
+    int64_t *ip = (int64_t *)v[2].buf, *span = (int64_t *)v[3].buf;
+    int32_t *fd_out = (int32_t *)v[4].buf, *src_out = (int32_t *)v[5].buf;
+    uint8_t *sq = (uint8_t *)v[6].buf + pos * 64;
+    int64_t *totals = (int64_t *)v[7].buf;
+    int64_t mask = ~(int64_t)(align - 1), total = 0;
+    Py_ssize_t k = 0;
+    for (int p = 0; p < nid; p++) {
+        const int64_t *ids = (const int64_t *)idv[p].buf;
+        const int32_t *dfd = (const int32_t *)dv[p].buf, *sfd = (const int32_t *)fv[p].buf;
+        int64_t files = dv[p].len / 4, per = rpf[p];
+        Py_ssize_t m = idv[p].len / 8;
+        int64_t part = 0;
+        for (Py_ssize_t i = 0; i < m; i++, k++) {
+            int64_t r = ids[i], file = 0;
+            if (per) {
+                file = r / per;
+                r -= file * per;
+            }
+            if (ids[i] < 0 || file >= files) {
+                PyErr_Format(PyExc_ValueError, "row id %lld is past the table's files",
+                             (long long)ids[i]);
+                goto done;
+            }
+            int64_t o = r * rb + base[p];
+            int64_t st = o & mask;
+            int64_t in = o - st;
+            int64_t len = (in + rb + align - 1) & mask;
+            off[k] = o;
+            start[k] = st;
+            ip[k] = in;
+            span[k] = len;
+            fd_out[k] = dfd[file];
+            src_out[k] = sfd[file];
+            part += len;
+            uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
+            int32_t dv32 = dfd[file];
+            memcpy(sq + k * 64 + 4, &dv32, 4);
+            memcpy(sq + k * 64 + 8, &uo, 8);
+            memcpy(sq + k * 64 + 24, &ul, 8);
+        }
+        totals[p] = part;
+        total += part;
+    }
+    result = PyLong_FromLongLong(total);
+done:
+    for (int i = 0; i < nid; i++) PyBuffer_Release(&idv[i]);
+    for (int i = 0; i < nd; i++) PyBuffer_Release(&dv[i]);
+    for (int i = 0; i < nf; i++) PyBuffer_Release(&fv[i]);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&v[i]);
+    Py_DECREF(seq);
+    Py_DECREF(pseq);
+    return result;
+}
+
 /* About how many lines of the rows ahead copy_out asks for before it copies the row at hand
  * (many more than the CPU keeps in flight only queue): 128 rows of 320 B from device-written
  * slots in 16-17 us instead of 26-27 (probes/copy_out.py) */
@@ -885,6 +1031,9 @@ static PyMethodDef methods[] = {
      "state[fail] >= value, 0: timed out. Spins without the GIL."},
     {"publish", publish, METH_VARARGS,
      "publish(state, index, value) -> None. A release store of one word."},
+    {"spans_files", spans_files, METH_VARARGS,
+     "spans_files(ids, parts, rb, align, off, start, ip, span, fd, src_fd, sqes, pos, totals, n)\n"
+     "-> total bytes. spans for tables of several files: each row's descriptor written too."},
     {"spans", spans, METH_VARARGS,
      "spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> total bytes.\n"
      "A step's row reads (offset, aligned start and length) into entries pos.. of a ring."},

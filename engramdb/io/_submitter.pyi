@@ -29,6 +29,22 @@ def spans(
     totals: object,
     n: int,
 ) -> int: ...
+def spans_files(
+    ids: object,
+    parts: object,
+    rb: int,
+    align: int,
+    off: object,
+    start: object,
+    ip: object,
+    span: object,
+    fd: object,
+    src_fd: object,
+    sqes: object,
+    pos: int,
+    totals: object,
+    n: int,
+) -> int: ...
 def copy_out(dest: object, buf: object, slot: object, ip: object, lo: int) -> None: ...
 def take_step(cq_head: object, cq_tail: object, cqes: object, left: int, total: int) -> int: ...
 def route(

@@ -146,6 +146,8 @@ class Plan:
         self.base = np.concatenate(
             [np.full(k, lay.base, np.int64) for lay, k in zip(layouts, sizes)]
         )
+        #: per table: where its rows lie (`engramdb.io.sqpoll.step_compiled("spans_files")`)
+        self.files = tuple((lay.rows_per_file, lay.base, lay.dfds, lay.fds) for lay in layouts)
         self.slot = np.arange(n, dtype=np.int64) * self.stride
         self.addr = (self.slot + buf_addr).astype(np.uint64)
         self.off = np.empty(n, np.int64)  # per step: each row's file offset

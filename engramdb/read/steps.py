@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import mmap
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,6 +81,7 @@ from engramdb.read.step_reap import StepCollector
 
 __all__ = ["MAX_STEP_ROWS", "RUNNING", "StepReader", "StepTable", "StepTicket"]
 _Job = tuple[StepTable, np.ndarray, StepTicket]  # a layer's table, row ids and ticket
+_Cols = tuple[np.ndarray, np.ndarray, np.ndarray]  # entries' offset, length, descriptor words
 
 # How long a step's reads keep the device busy, for the background warm's gap reading: a
 # random 4 KiB read's latency, plus one read at the device's random-read rate (measured here:
@@ -106,7 +108,7 @@ class StepReader(StepCollector):
         self._buf: np.ndarray | None = None
         self._map: mmap.mmap | None = None
         self._plan: Plan | None = None  # the current step's
-        self._cols: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # ring position -> off, len
+        self._cols: dict[int, _Cols] = {}  # ring position -> its entries' off, len, fd
         self._tickets: list[StepTicket] = []
         self._got = np.zeros(0, np.int64)  # per routed request (`_route`): bytes read, or -errno
         self._checked = False  # the current step's reads reaped and checked
@@ -125,6 +127,7 @@ class StepReader(StepCollector):
         #: The compiled writer of a step's reads and copier of its rows
         #: (`engramdb.io.sqpoll.step_compiled`), or None.
         self._spans_fn = step_compiled("spans")
+        self._files_fn = step_compiled("spans_files")  # for tables of several files
         self._copy_fn = step_compiled("copy_out")
         self._route_fn = step_compiled("route") if CQE_DTYPE.itemsize == 16 else None
         self._take_fn = (CQE_DTYPE.itemsize == 16 and step_compiled("take_step")) or take_step
@@ -222,8 +225,10 @@ class StepReader(StepCollector):
         # each row's file offset, its aligned span, into the submission entries: straight
         # into the ring's slots where they do not wrap (descriptor, address and tag written
         # once per plan and position), else staged
-        computed = not plan.single_file
-        if computed:  # several files: the descriptors change per step (entries staged again)
+        # several files and no compiled writer: the descriptors change per step (entries
+        # staged again); the compiled one writes each row's descriptor into its entry
+        computed = not plan.single_file and self._files_fn is None
+        if computed:
             plan_spans(plan, layer_ids)
             self._ring_plan = None
         tail = int(ring.sq_tail[0])
@@ -240,6 +245,8 @@ class StepReader(StepCollector):
                     plan_spans(plan, layer_ids)
                 np.copyto(cols[0], plan.tmp, casting="unsafe")  # off
                 np.copyto(cols[1], plan.span, casting="unsafe")  # len (rw_flags, the high half, 0)
+                if not plan.single_file:
+                    np.copyto(cols[2], plan.fd)
             ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
         else:
             if not computed:
@@ -293,8 +300,7 @@ class StepReader(StepCollector):
         one compiled call then writes the reads' offsets and lengths. False (nothing
         submitted) where that does not hold: `submit` reads it the long way."""
         last = self._last
-        spans = self._spans_fn
-        if last is None or spans is None or last[0] is not store or self._left or self.closed:
+        if last is None or last[0] is not store or self._left or self.closed:
             return False
         plan, ring = last[1], self._ring
         n = plan.n
@@ -306,12 +312,7 @@ class StepReader(StepCollector):
             return False
         if pos not in self._cols:
             self._stage_at(ring, plan, pos, n)
-        try:
-            plan.span_total = spans(
-                (ids,), plan.base, plan.rb, plan.align, plan.off, plan.tmp,
-                plan.ip, plan.span, ring.sqes, pos, plan.part_span, n,
-            )  # fmt: skip
-        except (ValueError, BufferError, TypeError):
+        if not self._spans_compiled((ids,), plan, ring, pos):
             return False
         ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
         self._checked = self._routed = False
@@ -331,13 +332,14 @@ class StepReader(StepCollector):
             self._failed(ring, plan, r)
         return True
 
-    def _stage_at(self, ring: Ring, plan: Plan, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _stage_at(self, ring: Ring, plan: Plan, pos: int, n: int) -> _Cols:
         """Entries ``pos .. pos + n - 1`` of ``ring`` given ``plan``'s fixed fields (its
-        descriptors, staging addresses, tags), kept for later steps at ``pos``; their offset
-        and length words (the columns a step writes)."""
+        descriptors, staging addresses, tags), kept for later steps at ``pos``; their offset,
+        length and descriptor words (the columns a step writes)."""
         ring.sqes[pos : pos + n] = staged(ring.stage, plan)
         words = ring.sqes[pos : pos + n].view(np.uint64).reshape(n, 8)
-        cols = self._cols[pos] = (words[:, 1], words[:, 3])
+        fds = ring.sqes[pos : pos + n].view(np.int32).reshape(n, 16)[:, 1]
+        cols = self._cols[pos] = (words[:, 1], words[:, 3], fds)
         return cols
 
     def _failed(self, ring: Ring, plan: Plan, r: int) -> None:
@@ -353,18 +355,28 @@ class StepReader(StepCollector):
         self._last = None
         ring.close()
 
-    def _spans_compiled(self, ids: list[np.ndarray], plan: Plan, ring: Ring, pos: int) -> bool:
-        """The step's reads (``ids``: each table's row ids) of one file per table written
-        into entries ``pos..`` of ``ring`` and into ``plan`` (offsets, starts, spans, their
-        totals) by one compiled call; False (nothing written) where it is not built or the
-        ids are not ``plan.n`` contiguous int64."""
-        spans = self._spans_fn
-        if spans is None:
-            return False
+    def _spans_compiled(self, ids: Sequence[np.ndarray], plan: Plan, ring: Ring, pos: int) -> bool:
+        """The step's reads (``ids``: each table's row ids) written into entries ``pos..``
+        of ``ring`` and into ``plan`` (offsets, starts, spans, their totals; for tables of
+        several files each row's descriptors too) by one compiled call; False where it is
+        not built or the ids are not ``plan.n`` contiguous int64 (the caller then writes
+        every column of those entries another way)."""
         try:
-            plan.span_total = spans(
-                ids, plan.base, plan.rb, plan.align, plan.off, plan.tmp,
-                plan.ip, plan.span, ring.sqes, pos, plan.part_span, plan.n,
+            if plan.single_file:
+                spans = self._spans_fn
+                if spans is None:
+                    return False
+                plan.span_total = spans(
+                    ids, plan.base, plan.rb, plan.align, plan.off, plan.tmp,
+                    plan.ip, plan.span, ring.sqes, pos, plan.part_span, plan.n,
+                )  # fmt: skip
+                return True
+            files = self._files_fn
+            if files is None:
+                return False
+            plan.span_total = files(
+                ids, plan.files, plan.rb, plan.align, plan.off, plan.tmp, plan.ip,
+                plan.span, plan.fd, plan.src_fd, ring.sqes, pos, plan.part_span, plan.n,
             )  # fmt: skip
         except (ValueError, BufferError, TypeError):
             return False
