@@ -24,7 +24,9 @@ The row ids come from the engram-peft keygen kind (equal to engram-peft's own ha
 tests/test_keygen_peft.py); the model hashes every step itself, as engram-peft's pre-hook does.
 
 Tables: raw f32 files filled with random normals in 64 MB numpy chunks (no per-row Python),
-attached in place (`engramdb.attach`, no copy), deleted at exit.
+attached in place (`engramdb.attach`, no copy), deleted at exit. ``--built``: the EngramDB
+arms read tables built from the same bytes by `engramdb.build` (its default 1 GB shards: the
+files a user's ``engramdb build`` makes; the build is kept with ``--keep``) instead.
 
 Every (arm, B) runs in a **fresh process**; arms are interleaved per repetition (ABBA). The page
 cache state is set before the process starts: **warm** = `python -m engramdb warm` (the page
@@ -248,6 +250,43 @@ def table_path(root: Path, lay: int) -> Path:
     return root / f"l{lay}.f32"
 
 
+def db_dir(root: Path, built: bool) -> Path:
+    """The database the EngramDB arms open: the attached tables, or (``--built``) the built."""
+    return root / ("built" if built else "db")
+
+
+def table_files(root: Path, lay: int, built: bool) -> list[Path]:
+    """The files an EngramDB arm reads layer ``lay``'s rows from: the raw file it attaches,
+    or (``--built``) its built table's shards."""
+    if not built:
+        return [table_path(root, lay)]
+    import engramdb
+
+    with engramdb.open(db_dir(root, True), background_warm=False) as db:
+        return [db_dir(root, True) / sh.path for sh in db[f"l{lay}"].info.shards]
+
+
+def residency(root: Path, built: bool) -> float:
+    """The share of the EngramDB arms' table files in the page cache (``mincore``)."""
+    from engramdb.testing.pages import file_residency
+
+    files = [f for lay in ENGRAM_AFTER for f in table_files(root, lay, built)]
+    sizes = np.array([f.stat().st_size for f in files], np.float64)
+    return float(np.dot([file_residency(f) for f in files], sizes) / sizes.sum())
+
+
+def build_copies(root: Path, h: Any) -> None:
+    """``--built``: each raw table file built into a table of the default shard size."""
+    import engramdb
+
+    for lay in ENGRAM_AFTER:
+        raw = np.memmap(table_path(root, lay), np.uint8, "r").reshape(-1, ROW_BYTES)
+        engramdb.build(
+            db_dir(root, True), f"l{lay}", ROW_BYTES, [raw],
+            heads=h.primes(lay).tolist(), dtype="f32", dim=DIM,
+        )  # fmt: skip
+
+
 def build_tables(args: argparse.Namespace, root: Path, h: Any) -> None:
     """Raw f32 row files (random normals, 64 MB chunks), attached in place."""
     import engramdb
@@ -270,14 +309,17 @@ def build_tables(args: argparse.Namespace, root: Path, h: Any) -> None:
         )
 
 
-def evict_tables(root: Path) -> None:
-    """Drop the table files' pages; exits naming the cause where they stay (a cold arm would
-    measure a warm table): pages some process ``mlock``s cannot be dropped (a table opened
-    with the default ``lock="auto"`` and warmed, or ``engramdb warm --lock``)."""
+def evict_tables(root: Path, built: bool = False) -> None:
+    """Drop the table files' pages (the raw files, and with ``built`` the built tables'
+    shards too); exits naming the cause where they stay (a cold arm would measure a warm
+    table): pages some process ``mlock``s cannot be dropped (a table opened with the default
+    ``lock="auto"`` and warmed, or ``engramdb warm --lock``)."""
     from engramdb.testing.pages import file_residency
 
-    for lay in ENGRAM_AFTER:
-        path = table_path(root, lay)
+    paths = [table_path(root, lay) for lay in ENGRAM_AFTER]
+    if built:
+        paths += [f for lay in ENGRAM_AFTER for f in table_files(root, lay, True)]
+    for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -293,9 +335,9 @@ def evict_tables(root: Path) -> None:
             )
 
 
-def warm_tables(root: Path) -> None:
+def warm_tables(root: Path, built: bool = False) -> None:
     subprocess.run(
-        [sys.executable, "-m", "engramdb", "warm", str(root / "db"), "-q"],
+        [sys.executable, "-m", "engramdb", "warm", str(db_dir(root, built)), "-q"],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -430,7 +472,6 @@ def child(args: argparse.Namespace) -> None:
     from engramdb.decode import Decoder
     from engramdb.decode_process import DecoderProcess
     from engramdb.prefetch_process import PrefetchProcess
-    from engramdb.testing.pages import file_residency
     from engramdb.torch import DiskMultiHeadEmbedding, prefetched_multi_head_embedding
 
     root = Path(args.root)
@@ -439,7 +480,7 @@ def child(args: argparse.Namespace) -> None:
     b = args.batch
     cfg = engram_config(args)
     h = keygen.hasher("engram-peft", cfg)
-    resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
+    resident = residency(root, args.built)
     stager: Any = None
     if gpu:  # the CUDA engine path: the model on the GPU, rows staged through pinned memory
         import e2e_gpu
@@ -464,11 +505,13 @@ def child(args: argparse.Namespace) -> None:
         # files are dropped from the page cache again afterwards (nothing maps them yet).
         ram_mods = {lay: baseline(lay) for lay in ENGRAM_AFTER}
         if state == "cold":
+            evict_tables(root, args.built)
+        elif args.built:  # the raw files were only the baseline's source: out of the way
             evict_tables(root)
-        resident = float(np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER]))
+        resident = residency(root, args.built)
     # The library default: a table that fits is warmed in the background by its first cold
     # read (or its first faulting mapped read); --no-background-warm measures without it.
-    db = engramdb.open(root / "db", background_warm=background_warm(args.child, args))
+    db = engramdb.open(db_dir(root, args.built), background_warm=background_warm(args.child, args))
     stores = {lay: db[f"l{lay}"] for lay in ENGRAM_AFTER}
     stores_names = [f"l{lay}" for lay in ENGRAM_AFTER]
     procs = None  # the module arm's `PrefetchProcess` (module+pf:proc)
@@ -612,9 +655,7 @@ def child(args: argparse.Namespace) -> None:
         # which memory held the tables: the A/A control holds two anonymous copies, an
         # EngramDB arm one (the in-RAM side's) and its mapping's pages as file memory
         pdoc.update(proc_status())
-        pdoc["resident_after"] = float(
-            np.mean([file_residency(table_path(root, lay)) for lay in ENGRAM_AFTER])
-        )
+        pdoc["resident_after"] = residency(root, args.built)
         for companion in (dec, procs):
             if isinstance(companion, (DecoderProcess, PrefetchProcess)):
                 companion.close()
@@ -927,7 +968,7 @@ def train_child(args: argparse.Namespace) -> None:
 
     out: dict[str, Any] = {}
     for with_step in (False, True):
-        db = engramdb.open(root / "db")
+        db = engramdb.open(db_dir(root, args.built))
         c0, p0 = sum(cpu_busy_ticks()), os.times()
         t0 = time.perf_counter()
         n = 0
@@ -973,9 +1014,9 @@ def spawn(
 ) -> dict[str, Any]:
     state, _, gpu = parse_arm(arm)
     if state == "cold":
-        evict_tables(root)
+        evict_tables(root, args.built)
     elif state.startswith("warm"):
-        warm_tables(root)
+        warm_tables(root, args.built)
     cmd = [sys.executable, __file__, "--child", arm, "--batch", str(b), "--root", str(root)]
     size = {"hidden": args.gpu_hidden, "blocks": args.gpu_blocks} if gpu else {}
     size.setdefault("blocks", blocks_for(args.blocks, b))
@@ -987,6 +1028,8 @@ def spawn(
         cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
     if args.engine_cpu is not None:
         cmd += ["--engine-cpu", str(args.engine_cpu)]
+    if args.built:
+        cmd.append("--built")
     if paired:
         cmd.append("--paired")
     return run_child(cmd, f"arm {arm} B={b}", args.arm_timeout)
@@ -1201,6 +1244,11 @@ def main() -> None:
         "the scheduler's choice; the summary reports the share of steps on the CPUs that "
         "take the table disk's interrupts)",
     )
+    ap.add_argument(
+        "--built",
+        action="store_true",
+        help="EngramDB arms read tables built by engramdb.build (1 GB shards), not attached",
+    )
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the tables")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -1259,6 +1307,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if not (root / "db" / "manifest.json").exists():
             build_tables(args, root, h)
+        if args.built and not (db_dir(root, True) / "manifest.json").exists():
+            build_copies(root, h)
         gb = sum(table_path(root, lay).stat().st_size for lay in ENGRAM_AFTER) / 1e9
         print(
             f"tables: {len(ENGRAM_AFTER)} layers, {gb:.2f} GB in all, ready in "
@@ -1281,7 +1331,7 @@ def main() -> None:
                 ok &= same
                 doc[f"B{b}" if path == "cpu" else f"gpu_B{b}"] = rows
         if not args.no_train:
-            warm_tables(root)
+            warm_tables(root, args.built)
             tr = train_run(args, root)
             doc["train"] = tr
             print(
@@ -1453,6 +1503,8 @@ def train_run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "train", "--root", str(root)]
     for k in ("table_gb", "hidden", "blocks", "vocab", "train_tokens"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.built:
+        cmd.append("--built")
     try:
         return run_child(cmd, "the training arm", args.arm_timeout)
     except ArmFailed as e:
