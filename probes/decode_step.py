@@ -3,6 +3,7 @@ one-position step, the ring entries written and the rows copied out by one call 
 against the same decoder with those parts served by numpy, in one process.
 
     python probes/decode_step.py [--gb 1] [--batches 1,8] [--steps 1200] [--block 20] [--warm]
+        [--built [--shard-mb 256]] [--module]
 
 Two attached tables of 320 B rows (random bytes, ``--gb`` in all, evicted first, opened
 with ``background_warm=False`` so they stay cold: every step's rows come from the device
@@ -13,6 +14,19 @@ again, fills layer 3, computes again. Blocks of ``--block`` steps alternate betw
 modes (compiled, numpy), so drift of the machine cancels. Rows are checked against the files
 in both modes. Printed per B: the median push / fill / total microseconds a step of each
 mode and their ratio. JSON to probes/out/decode_step.json; the tables are deleted at exit.
+
+``--built``: the tables built by `engramdb.build` from the same bytes, in shards of
+``--shard-mb`` (a step's rows then come from several files: each entry's descriptor is
+written by the compiled call too, or by numpy with the entries staged again each step).
+
+``--files-only`` (with ``--built``): the two modes differ only there (everything else
+compiled in both).
+
+``--module``: the two layers read through `engramdb.torch.DiskMultiHeadEmbedding` instead,
+each step's ids prefetched right after hashing (`prefetch`), then each layer's forward. The
+two modes are then the prefetch's short path for a repeated step shape
+(`_prefetch_steady`, `StepReader.submit_fast`) against its general path; the compiled
+writers are on in both.
 
 ``--warm``: the tables resident instead (populated and ``mlock``ed: this VM's DAMON page-out
 would drop idle page cache under the loop), opened by default, ``prefetch="auto"`` (so no
@@ -55,7 +69,9 @@ def hasher_config(gb: float) -> dict[str, Any]:
     }
 
 
-def build(root: Path, h: Any) -> dict[int, Path]:
+def build(root: Path, h: Any, args: argparse.Namespace) -> dict[int, Path]:
+    """Each layer's raw row file, attached in place (``--built``: built from it, in shards of
+    ``--shard-mb``)."""
     import engramdb
 
     files = {}
@@ -66,12 +82,26 @@ def build(root: Path, h: Any) -> dict[int, Path]:
         with open(path, "wb") as f:
             for i in range(0, n, 64 << 20):
                 f.write(rng.integers(0, 256, min(64 << 20, n - i), dtype=np.uint8).data)
-        engramdb.attach(root / "db", f"l{lay}", [str(path)], row_bytes=ROW)
+        heads = h.primes(lay).tolist()
+        if args.built:
+            rows = np.memmap(path, np.uint8, "r").reshape(-1, ROW)
+            engramdb.build(
+                root / "db", f"l{lay}", ROW, [rows], heads=heads, shard_bytes=args.shard_mb << 20
+            )
+        else:
+            engramdb.attach(root / "db", f"l{lay}", [str(path)], row_bytes=ROW, heads=heads)
     return files
 
 
-def evict(files: dict[int, Path]) -> None:
-    for path in files.values():
+def table_files(root: Path, files: dict[int, Path], db: Any) -> list[Path]:
+    """The files the steps read: the raw files, or a built table's shards."""
+    return list(files.values()) + [
+        root / "db" / sh.path for lay in LAYERS for sh in db[f"l{lay}"].info.shards
+    ]
+
+
+def evict(files: list[Path]) -> None:
+    for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -89,9 +119,15 @@ def set_mode(dec: Any, compiled: bool, saved: dict[str, Any]) -> None:
         saved["fast"] = compiled
         return
     reader = dec._reader
+    if saved.get("files_only"):  # only the several-files entry writer off (numpy's instead)
+        if reader is not None:
+            saved.setdefault("files", reader._files_fn)
+            reader._files_fn = saved["files"] if compiled else None
+        return
     if reader is not None:
-        saved.setdefault("reader", (reader._spans_fn, reader._copy_fn))
-        reader._spans_fn, reader._copy_fn = saved["reader"] if compiled else (None, None)
+        saved.setdefault("reader", (reader._spans_fn, reader._files_fn, reader._copy_fn))
+        off = (None, None, None)
+        reader._spans_fn, reader._files_fn, reader._copy_fn = saved["reader"] if compiled else off
     for i, st in enumerate(dec._streams):
         saved.setdefault(f"stream{i}", st._native)
         st._native = saved[f"stream{i}"] if compiled else None
@@ -113,9 +149,11 @@ def run_batch(
             db[st].populate()
             db[st].tiers.lock(None)
     else:
-        evict(files)
         db = engramdb.open(root / "db", background_warm=False)
+        evict(table_files(root, files, db))
     stores = {lay: db[f"l{lay}"] for lay in LAYERS}
+    if args.module:
+        return run_module(args, db, h, raw, b)
     dec = Decoder(stores, h, batch=b, prefetch="auto" if args.warm else True, compressed=True)
     out = np.empty(dec.out_shape, np.uint8)
     g = torch.Generator().manual_seed(0)
@@ -130,7 +168,7 @@ def run_batch(
     tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b))
     dec.push(tokens[0])  # binds the streams, makes the reader
     dec.fill(out)
-    saved: dict[str, Any] = {"warm": args.warm}
+    saved: dict[str, Any] = {"warm": args.warm, "files_only": args.files_only}
     times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     checked = {True: 0, False: 0}
     pc = time.perf_counter
@@ -172,7 +210,9 @@ def run_batch(
         "prefetched": dec.prefetched,
         "direct_fills": dec.direct_fills,
         "step_rows": sum(st.counters()["step_rows"] for st in stores.values()),
-        "compiled_built": bool(saved.get("reader", (None,))[0] is not None),
+        "compiled_built": bool(
+            saved.get("reader", (None,))[0] is not None or saved.get("files") is not None
+        ),
         "native_steps": sum(st.native_steps for st in dec._streams),
         "checked_steps": checked,
         "reader": type(reader).__name__,
@@ -191,6 +231,80 @@ def run_batch(
     return doc
 
 
+def run_module(
+    args: argparse.Namespace, db: Any, h: Any, raw: dict[int, np.ndarray], b: int
+) -> dict[str, Any]:
+    """``--module``: the layers through `DiskMultiHeadEmbedding`, cold, each step's ids
+    prefetched after hashing; blocks alternate the prefetch's short path and general path."""
+    import torch
+
+    from engramdb.torch import DiskMultiHeadEmbedding
+
+    mods = {lay: DiskMultiHeadEmbedding(db[f"l{lay}"]) for lay in LAYERS}
+    for m in mods.values():
+        m.resident_recheck_s = 3600.0  # the table stays cold: every step prefetched
+    streams = {lay: h.stream(layer=lay, compressed=True, local=True) for lay in LAYERS}
+    offsets = {lay: db[f"l{lay}"].head_offsets for lay in LAYERS}
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
+    x = torch.randn(b, 448, generator=g)
+
+    def compute(k: int) -> None:
+        y = x
+        for j in range(k):
+            y = (weights[j % 8] @ y.T).T[:, :448]
+
+    tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b, 1))
+    times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    checked = {True: 0, False: 0}
+    pc = time.perf_counter
+    with torch.no_grad():
+        for s in range(args.steps):
+            short = (s // args.block) % 2 == 0
+            for m in mods.values():
+                m._steady = short
+            ids = {lay: torch.from_numpy(st.push(tokens[s])) for lay, st in streams.items()}
+            t0 = pc()
+            for lay in LAYERS:
+                mods[lay].prefetch(ids[lay])
+            t1 = pc()
+            compute(12)
+            t2 = pc()
+            first = mods[LAYERS[0]](ids[LAYERS[0]])
+            t3 = pc()
+            compute(8)
+            t4 = pc()
+            second = mods[LAYERS[1]](ids[LAYERS[1]])
+            t5 = pc()
+            compute(8)
+            if s % 7 == 0:  # rows equal the files, in both modes
+                for lay, got in ((LAYERS[0], first), (LAYERS[1], second)):
+                    want = raw[lay][(ids[lay].numpy() + offsets[lay]).reshape(-1)]
+                    assert np.array_equal(got.numpy().view(np.uint8).reshape(want.shape), want)
+                checked[short] += 1
+            if s >= 2 * args.block:
+                times[short].append((t1 - t0, t3 - t2, t5 - t4))
+    doc: dict[str, Any] = {
+        "batch": b,
+        "module": True,
+        "prefetches": sum(m.prefetches for m in mods.values()),
+        "from_prefetch": sum(m.served_from_prefetch for m in mods.values()),
+        "checked_steps": checked,
+    }
+    db.close()
+    for short in (True, False):
+        med = np.median(np.array(times[short]), axis=0) * 1e6
+        doc["short" if short else "general"] = {
+            "prefetch_us": float(med[0]),
+            "forward_first_us": float(med[1]),
+            "forward_second_us": float(med[2]),
+            "total_us": float(med.sum()),
+            "steps": len(times[short]),
+        }
+    doc["total_ratio"] = doc["short"]["total_us"] / doc["general"]["total_us"]
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.0, help="both tables together")
@@ -198,6 +312,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--block", type=int, default=20, help="steps per block of one mode")
     ap.add_argument("--dir", default=None, help="where the tables go (a temp dir by default)")
+    ap.add_argument("--built", action="store_true", help="tables built in shards, not attached")
+    ap.add_argument("--shard-mb", type=int, default=256, help="--built: the shard size")
+    ap.add_argument(
+        "--files-only",
+        action="store_true",
+        help="--built: the modes differ only in the entry writer for several files "
+        "(spans_files, or numpy with the entries staged again)",
+    )
+    ap.add_argument(
+        "--module",
+        action="store_true",
+        help="the layers through DiskMultiHeadEmbedding with prefetch: its short path "
+        "against its general path",
+    )
     ap.add_argument(
         "--warm",
         action="store_true",
@@ -211,15 +339,31 @@ def main() -> None:
     h = keygen.hasher("engram-peft", hasher_config(args.gb))
     root = Path(tempfile.mkdtemp(prefix="decode_step_", dir=args.dir))
     try:
-        files = build(root, h)
+        files = build(root, h, args)
         gb = sum(p.stat().st_size for p in files.values()) / 1e9
         state = "warm (populated, locked)" if args.warm else "cold (evicted, no background warm)"
-        print(f"tables: 2 layers, {gb:.2f} GB, {state}; {cpu_note()}")
+        kind = f"built, {args.shard_mb} MB shards" if args.built else "attached"
+        print(f"tables: 2 layers, {gb:.2f} GB, {kind}, {state}; {cpu_note()}")
         names = ("fast paths", "general path") if args.warm else ("compiled", "numpy")
+        if args.files_only:
+            names = ("compiled entries (spans_files)", "numpy entries, staged each step")
         results = []
         for b in (int(x) for x in args.batches.split(",")):
             r = run_batch(args, root, h, files, b)
             results.append(r)
+            if args.module:
+                c, n = r["short"], r["general"]
+                print(
+                    f"B={b}: module, short path prefetch {c['prefetch_us']:.0f} + forwards "
+                    f"{c['forward_first_us']:.0f} / {c['forward_second_us']:.0f} = "
+                    f"{c['total_us']:.0f} us a step; general path {n['prefetch_us']:.0f} + "
+                    f"{n['forward_first_us']:.0f} / {n['forward_second_us']:.0f} = "
+                    f"{n['total_us']:.0f} us; ratio {r['total_ratio']:.2f}x ({c['steps']} / "
+                    f"{n['steps']} steps, rows checked in {r['checked_steps'][True]} / "
+                    f"{r['checked_steps'][False]}; {r['from_prefetch']} of {r['prefetches']} "
+                    "prefetches served)"
+                )
+                continue
             c, n = r["compiled"], r["numpy"]
             print(
                 f"B={b}: {names[0]} push {c['push_us']:.0f} + fills {c['fill_first_us']:.0f} / "
