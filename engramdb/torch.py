@@ -246,23 +246,8 @@ class DiskMultiHeadEmbedding(DiskTable):
             hot.ticket = hot.ticket_ids = hot.ticket_src = None
         if proc is not None and flat.size <= proc.max_rows:
             ticket: Any = proc.request(self._proc_slot, flat)
-        elif self._fast and not self._warming():
-            # (while the table's background warm reads it, a sample of resident rows says
-            # little and the forward's gather from the mapping faults on the rest: at B=8 6
-            # major faults a step, the forward 1 ms; the rows come from the device instead)
-            if self._mapped_ok():
-                hot.resident_skips += 1
-                return False
-            # The forwards are served from the prefetches, so the read rule sees no batch
-            # that would move it to its mapped state: look at the rows every
-            # `resident_recheck_s` (a few mincore calls) and, resident, read them in the
-            # forward (the rule then samples them and moves to the mapping).
-            now = time.monotonic()
-            if now - self._checked_at >= self.resident_recheck_s:
-                self._checked_at = now
-                if self.store.rows_resident(flat):  # type: ignore[attr-defined]
-                    hot.resident_skips += 1
-                    return False
+        elif self._fast and self._resident_skip(flat):
+            return False
         if proc is None or flat.size > proc.max_rows:
             ticket = self._submit(flat, pf)
         hot.ticket = ticket
@@ -295,16 +280,8 @@ class DiskMultiHeadEmbedding(DiskTable):
         if old is not None:
             old.cancel()
             hot.ticket = hot.ticket_ids = hot.ticket_src = None
-        if not self._warming():  # (as `prefetch` says)
-            if self._mapped_ok():
-                hot.resident_skips += 1
-                return False
-            now = time.monotonic()
-            if now - self._checked_at >= self.resident_recheck_s:
-                self._checked_at = now
-                if self.store.rows_resident(flat):  # type: ignore[attr-defined]
-                    hot.resident_skips += 1
-                    return False
+        if self._resident_skip(flat):
+            return False
         store: Any = self.store
         ticket = StepTicket(flat)
         if not reader.submit_fast(store, flat, ticket):
@@ -315,6 +292,29 @@ class DiskMultiHeadEmbedding(DiskTable):
         hot.ticket_src = (local_ids, local_ids._version, (*arr.shape, self._rb))  # noqa: SLF001
         hot.prefetches += 1
         return True
+
+    def _resident_skip(self, flat: np.ndarray) -> bool:
+        """Whether a prefetch of global ids ``flat`` of a table that is one mapped array starts
+        nothing (counted in `prefetch_skips`): the forward gathers from the mapping."""
+        # (while the table's background warm reads it, a sample of resident rows says little
+        # and the forward's gather from the mapping faults on the rest: at B=8 6 major
+        # faults a step, the forward 1 ms; the rows come from the device instead)
+        if self._warming():
+            return False
+        if self._mapped_ok():
+            self._hot.resident_skips += 1
+            return True
+        # The forwards are served from the prefetches, so the read rule sees no batch that
+        # would move it to its mapped state: look at the rows every `resident_recheck_s` (a
+        # few mincore calls) and, resident, read them in the forward (the rule then samples
+        # them and moves to the mapping).
+        now = time.monotonic()
+        if now - self._checked_at >= self.resident_recheck_s:
+            self._checked_at = now
+            if self.store.rows_resident(flat):  # type: ignore[attr-defined]
+                self._hot.resident_skips += 1
+                return True
+        return False
 
     def _submit(self, flat: np.ndarray, pf: Any) -> Any:
         """Start reading rows ``flat`` here: the step reader's ticket, else the prefetcher's."""

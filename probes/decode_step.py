@@ -133,6 +133,23 @@ def set_mode(dec: Any, compiled: bool, saved: dict[str, Any]) -> None:
         st._native = saved[f"stream{i}"] if compiled else None
 
 
+def model_compute(b: int) -> Any:
+    """``compute(k)``: k single-thread matrix products at batch ``b``, a model step's stand-in
+    (the decoder's code and data leave the CPU caches as in a model step)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
+    x = torch.randn(b, 448, generator=g)
+
+    def compute(k: int) -> None:
+        y = x
+        for j in range(k):
+            y = (weights[j % 8] @ y.T).T[:, :448]
+
+    return compute
+
+
 def run_batch(
     args: argparse.Namespace, root: Path, h: Any, files: dict[int, Path], b: int
 ) -> dict[str, Any]:
@@ -156,14 +173,7 @@ def run_batch(
         return run_module(args, db, h, raw, b)
     dec = Decoder(stores, h, batch=b, prefetch="auto" if args.warm else True, compressed=True)
     out = np.empty(dec.out_shape, np.uint8)
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
-    x = torch.randn(b, 448, generator=g)
-
-    def compute(k: int) -> None:
-        y = x
-        for j in range(k):
-            y = (weights[j % 8] @ y.T).T[:, :448]
+    compute = model_compute(b)
 
     tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b))
     dec.push(tokens[0])  # binds the streams, makes the reader
@@ -218,16 +228,24 @@ def run_batch(
         "reader": type(reader).__name__,
     }
     db.close()
-    for compiled in (True, False):
-        med = np.median(np.array(times[compiled]), axis=0) * 1e6
-        doc["compiled" if compiled else "numpy"] = {
-            "push_us": float(med[0]),
-            "fill_first_us": float(med[1]),
-            "fill_second_us": float(med[2]),
-            "total_us": float(med.sum()),
-            "steps": len(times[compiled]),
-        }
-    doc["total_ratio"] = doc["compiled"]["total_us"] / doc["numpy"]["total_us"]
+    return medians(
+        doc, times, ("compiled", "numpy"), ("push_us", "fill_first_us", "fill_second_us")
+    )
+
+
+def medians(
+    doc: dict[str, Any],
+    times: dict[bool, list[tuple[float, float, float]]],
+    modes: tuple[str, str],
+    parts: tuple[str, str, str],
+) -> dict[str, Any]:
+    """``doc`` with each mode's median microseconds a step (``parts`` of it and their total)
+    and the ratio of the first mode's total to the second's."""
+    for on, mode in zip((True, False), modes):
+        med = np.median(np.array(times[on]), axis=0) * 1e6
+        doc[mode] = {name: float(x) for name, x in zip(parts, med)}
+        doc[mode].update(total_us=float(med.sum()), steps=len(times[on]))
+    doc["total_ratio"] = doc[modes[0]]["total_us"] / doc[modes[1]]["total_us"]
     return doc
 
 
@@ -245,14 +263,7 @@ def run_module(
         m.resident_recheck_s = 3600.0  # the table stays cold: every step prefetched
     streams = {lay: h.stream(layer=lay, compressed=True, local=True) for lay in LAYERS}
     offsets = {lay: db[f"l{lay}"].head_offsets for lay in LAYERS}
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(4 * 448, 448, generator=g) for _ in range(8)]
-    x = torch.randn(b, 448, generator=g)
-
-    def compute(k: int) -> None:
-        y = x
-        for j in range(k):
-            y = (weights[j % 8] @ y.T).T[:, :448]
+    compute = model_compute(b)
 
     tokens = np.random.default_rng(b).integers(0, 8192, (args.steps, b, 1))
     times: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
@@ -292,17 +303,8 @@ def run_module(
         "checked_steps": checked,
     }
     db.close()
-    for short in (True, False):
-        med = np.median(np.array(times[short]), axis=0) * 1e6
-        doc["short" if short else "general"] = {
-            "prefetch_us": float(med[0]),
-            "forward_first_us": float(med[1]),
-            "forward_second_us": float(med[2]),
-            "total_us": float(med.sum()),
-            "steps": len(times[short]),
-        }
-    doc["total_ratio"] = doc["short"]["total_us"] / doc["general"]["total_us"]
-    return doc
+    parts = ("prefetch_us", "forward_first_us", "forward_second_us")
+    return medians(doc, times, ("short", "general"), parts)
 
 
 def main() -> None:

@@ -536,6 +536,52 @@ static PyObject *publish(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* An id buffer of a step into b (C-contiguous int64); -1 with an exception set otherwise
+ * (b then released). */
+static int get_ids(PyObject *o, Py_buffer *b) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_ValueError, "ids must be int64");
+        return -1;
+    }
+    return 0;
+}
+
+/* A step's output buffer into b, at least need bytes (writable where asked); -1 with an
+ * exception set otherwise (b then released). */
+static int get_out(PyObject *o, Py_buffer *b, Py_ssize_t need, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (b->len < need) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_ValueError, "%s holds too few", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* Request k of a step, at file offset o: its offset, aligned start, the row's place in the
+ * read and the read's length into the plan's columns, and the start and length into its
+ * submission entry e (bytes 8 and 24, the 32 bits above the length 0). The length. */
+static inline int64_t put_span(uint8_t *e, int64_t o, int64_t rb, int64_t align, int64_t *off,
+                               int64_t *start, int64_t *ip, int64_t *span, Py_ssize_t k) {
+    int64_t mask = ~(align - 1);
+    int64_t st = o & mask;
+    int64_t in = o - st;
+    int64_t len = (in + rb + align - 1) & mask;
+    off[k] = o;
+    start[k] = st;
+    ip[k] = in;
+    span[k] = len;
+    uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
+    memcpy(e + 8, &uo, 8);
+    memcpy(e + 24, &ul, 8);
+    return len;
+}
+
 /* spans(ids, base, rb, align, off, start, ip, span, sqes, pos, totals, n) -> the step's bytes
  *   A decode step's reads, one per row, written into a ring's submission entries in one pass
  *   (the numpy version is a dozen calls, each slow inside a model step whose compute has
@@ -564,28 +610,18 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     PyObject *seq = PySequence_Fast(o_ids, "ids must be a sequence of buffers");
     if (seq == NULL) return NULL;
     Py_ssize_t parts = PySequence_Fast_GET_SIZE(seq);
-    if (parts > 64) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "at most 64 id buffers");
-        return NULL;
-    }
     Py_buffer idv[64];
     Py_buffer v[7];
     int nid = 0, held = 0;
     PyObject *result = NULL;
     Py_ssize_t n = 0;
+    if (parts > 64) {
+        PyErr_SetString(PyExc_ValueError, "at most 64 id buffers");
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < parts; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid],
-                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-            goto done;
-        nid++;
-        const char *f = idv[nid - 1].format ? idv[nid - 1].format : "B";
-        if (*f == '<' || *f == '=' || *f == '@') f++;
-        if (idv[nid - 1].itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-            PyErr_SetString(PyExc_ValueError, "ids must be int64");
-            goto done;
-        }
-        n += idv[nid - 1].len / 8;
+        if (get_ids(PySequence_Fast_GET_ITEM(seq, i), &idv[nid]) < 0) goto done;
+        n += idv[nid++].len / 8;
     }
     if (n != expect) {
         PyErr_Format(PyExc_ValueError, "%zd ids, the plan has %zd", n, expect);
@@ -593,51 +629,26 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     }
     PyObject *outs[5] = {o_base, o_off, o_start, o_ip, o_span};
     for (int i = 0; i < 5; i++) {
-        if (PyObject_GetBuffer(outs[i], &v[held], PyBUF_C_CONTIGUOUS | (i ? PyBUF_WRITABLE : 0)) < 0)
-            goto done;
+        if (get_out(outs[i], &v[held], n * 8, i, "base / off / start / ip / span") < 0) goto done;
         held++;
-        if (v[held - 1].len < n * 8) {
-            PyErr_SetString(PyExc_ValueError, "base / off / start / ip / span hold fewer than n");
-            goto done;
-        }
     }
-    if (PyObject_GetBuffer(o_sqes, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (get_out(o_sqes, &v[held], (pos + n) * 64, 1, "the ring's entries") < 0) goto done;
     held++;
-    if (v[5].len < (pos + n) * 64) {
-        PyErr_SetString(PyExc_ValueError, "the entries end before pos + n");
-        goto done;
-    }
-    if (PyObject_GetBuffer(o_tot, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (get_out(o_tot, &v[held], (Py_ssize_t)nid * 8, 1, "totals") < 0) goto done;
     held++;
-    if (v[6].len < nid * 8) {
-        PyErr_SetString(PyExc_ValueError, "totals holds fewer than one per id buffer");
-        goto done;
-    }
     int64_t *totals = (int64_t *)v[6].buf;
     const int64_t *base = (const int64_t *)v[0].buf;
     int64_t *off = (int64_t *)v[1].buf, *start = (int64_t *)v[2].buf;
     int64_t *ip = (int64_t *)v[3].buf, *span = (int64_t *)v[4].buf;
     uint8_t *sq = (uint8_t *)v[5].buf + pos * 64;
-    int64_t mask = ~(int64_t)(align - 1), total = 0;
+    int64_t total = 0;
     Py_ssize_t k = 0;
     for (int p = 0; p < nid; p++) {
         const int64_t *ids = (const int64_t *)idv[p].buf;
         Py_ssize_t m = idv[p].len / 8;
         int64_t part = 0;
-        for (Py_ssize_t i = 0; i < m; i++, k++) {
-            int64_t o = ids[i] * rb + base[k];
-            int64_t st = o & mask;
-            int64_t in = o - st;
-            int64_t len = (in + rb + align - 1) & mask;
-            off[k] = o;
-            start[k] = st;
-            ip[k] = in;
-            span[k] = len;
-            part += len;
-            uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
-            memcpy(sq + k * 64 + 8, &uo, 8);
-            memcpy(sq + k * 64 + 24, &ul, 8);
-        }
+        for (Py_ssize_t i = 0; i < m; i++, k++)
+            part += put_span(sq + k * 64, ids[i] * rb + base[k], rb, align, off, start, ip, span, k);
         totals[p] = part;
         total += part;
     }
@@ -689,26 +700,17 @@ static PyObject *spans_files(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < parts; i++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &idv[nid],
-                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-            goto done;
-        nid++;
-        const char *f = idv[i].format ? idv[i].format : "B";
-        if (*f == '<' || *f == '=' || *f == '@') f++;
-        if (idv[i].itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-            PyErr_SetString(PyExc_ValueError, "ids must be int64");
-            goto done;
-        }
-        n += idv[i].len / 8;
+        if (get_ids(PySequence_Fast_GET_ITEM(seq, i), &idv[nid]) < 0) goto done;
+        n += idv[nid++].len / 8;
         PyObject *dfds, *fds;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(pseq, i), "LLOO", &rpf[i], &base[i], &dfds,
                               &fds))
             goto done;
-        if (PyObject_GetBuffer(dfds, &dv[nd], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (get_out(dfds, &dv[nd], 4, 0, "a part's O_DIRECT descriptors") < 0) goto done;
         nd++;
-        if (PyObject_GetBuffer(fds, &fv[nf], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (get_out(fds, &fv[nf], dv[i].len, 0, "a part's descriptors") < 0) goto done;
         nf++;
-        if (rpf[i] < 0 || dv[i].len < 4 || dv[i].len != fv[i].len || dv[i].len % 4) {
+        if (rpf[i] < 0 || dv[i].len != fv[i].len || dv[i].len % 4) {
             PyErr_SetString(PyExc_ValueError, "a part's descriptors: int32, one per file");
             goto done;
         }
@@ -718,34 +720,21 @@ static PyObject *spans_files(PyObject *self, PyObject *args) {
         goto done;
     }
     PyObject *outs[6] = {o_off, o_start, o_ip, o_span, o_fd, o_src};
-    Py_ssize_t width[6] = {8, 8, 8, 8, 4, 4};
     for (int i = 0; i < 6; i++) {
-        if (PyObject_GetBuffer(outs[i], &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        if (get_out(outs[i], &v[held], n * (i < 4 ? 8 : 4), 1, "off / start / ip / span / fd") < 0)
             goto done;
         held++;
-        if (v[i].len < n * width[i]) {
-            PyErr_SetString(PyExc_ValueError, "off / start / ip / span / fd / src_fd hold fewer than n");
-            goto done;
-        }
     }
-    if (PyObject_GetBuffer(o_sqes, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (get_out(o_sqes, &v[held], (pos + n) * 64, 1, "the ring's entries") < 0) goto done;
     held++;
-    if (v[6].len < (pos + n) * 64) {
-        PyErr_SetString(PyExc_ValueError, "the entries end before pos + n");
-        goto done;
-    }
-    if (PyObject_GetBuffer(o_tot, &v[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (get_out(o_tot, &v[held], (Py_ssize_t)nid * 8, 1, "totals") < 0) goto done;
     held++;
-    if (v[7].len < nid * 8) {
-        PyErr_SetString(PyExc_ValueError, "totals holds fewer than one per id buffer");
-        goto done;
-    }
     int64_t *off = (int64_t *)v[0].buf, *start = (int64_t *)v[1].buf;
     int64_t *ip = (int64_t *)v[2].buf, *span = (int64_t *)v[3].buf;
     int32_t *fd_out = (int32_t *)v[4].buf, *src_out = (int32_t *)v[5].buf;
     uint8_t *sq = (uint8_t *)v[6].buf + pos * 64;
     int64_t *totals = (int64_t *)v[7].buf;
-    int64_t mask = ~(int64_t)(align - 1), total = 0;
+    int64_t total = 0;
     Py_ssize_t k = 0;
     for (int p = 0; p < nid; p++) {
         const int64_t *ids = (const int64_t *)idv[p].buf;
@@ -754,32 +743,17 @@ static PyObject *spans_files(PyObject *self, PyObject *args) {
         Py_ssize_t m = idv[p].len / 8;
         int64_t part = 0;
         for (Py_ssize_t i = 0; i < m; i++, k++) {
-            int64_t r = ids[i], file = 0;
-            if (per) {
-                file = r / per;
-                r -= file * per;
-            }
-            if (ids[i] < 0 || file >= files) {
+            int64_t r = ids[i], file = per ? r / per : 0;
+            if (r < 0 || file >= files) {
                 PyErr_Format(PyExc_ValueError, "row id %lld is past the table's files",
-                             (long long)ids[i]);
+                             (long long)r);
                 goto done;
             }
-            int64_t o = r * rb + base[p];
-            int64_t st = o & mask;
-            int64_t in = o - st;
-            int64_t len = (in + rb + align - 1) & mask;
-            off[k] = o;
-            start[k] = st;
-            ip[k] = in;
-            span[k] = len;
+            uint8_t *e = sq + k * 64;
+            part += put_span(e, (r - file * per) * rb + base[p], rb, align, off, start, ip, span, k);
             fd_out[k] = dfd[file];
             src_out[k] = sfd[file];
-            part += len;
-            uint64_t uo = (uint64_t)st, ul = (uint64_t)len;
-            int32_t dv32 = dfd[file];
-            memcpy(sq + k * 64 + 4, &dv32, 4);
-            memcpy(sq + k * 64 + 8, &uo, 8);
-            memcpy(sq + k * 64 + 24, &ul, 8);
+            memcpy(e + 4, &dfd[file], 4);
         }
         totals[p] = part;
         total += part;
