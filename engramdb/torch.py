@@ -150,7 +150,6 @@ class DiskMultiHeadEmbedding(DiskTable):
         # to wait for); others by the table's prefetcher.
         self._reader: StepReader | None = None
         self._reader_ok = self._fast and StepReader.available()
-        self._steady = self._reader_ok and process is None  # (`_prefetch_steady`)
         #: How often (seconds) `prefetch` looks whether a table not served from its mapping
         #: has become resident (then the forward reads it, and prefetches stop).
         self.resident_recheck_s = 0.1
@@ -226,10 +225,6 @@ class DiskMultiHeadEmbedding(DiskTable):
         the gather, counted in `prefetch_skips`) — never while the table's background warm
         reads it. A second call replaces a pending one. With ``process=``, the rows are read in
         that process (always: it decides resident or cold)."""
-        if self._steady and type(local_ids) is torch.Tensor:
-            done = self._prefetch_steady(local_ids)
-            if done is not None:
-                return done
         proc = self._proc
         if proc is not None and proc.hands_over:
             done = hand_over(self._hot, local_ids, proc, self._proc_slot, self._keys)
@@ -259,40 +254,6 @@ class DiskMultiHeadEmbedding(DiskTable):
         hot.prefetches += 1
         return True
 
-    def _prefetch_steady(self, local_ids: torch.Tensor) -> bool | None:
-        """`prefetch` of a CPU int64 ``[B, L, H]`` tensor where this module's step reader
-        exists, in as few statements as it takes: the step's first call runs just after the
-        model's compute has evicted its code and data, and each statement costs ~1 us then
-        (the general path's first call of a B=8 step took 130-190 us, this one about 70 less:
-        docs/probes.md, 44th stop). None where another case holds: the general path runs."""
-        reader, to_global = self._reader, self._global_at
-        try:
-            arr = local_ids.numpy()  # a view; a device tensor raises
-        except (TypeError, RuntimeError, ValueError):
-            return None
-        if reader is None or to_global is None or arr.ndim != 3:
-            return None
-        flat = np.empty(arr.size, np.int64)
-        if to_global(arr, self._bounds_bytes, self._offsets_bytes, flat) != 1:
-            return None  # out of range, or not contiguous [..., H]: the general path says
-        hot = self._hot
-        old = hot.ticket
-        if old is not None:
-            old.cancel()
-            hot.ticket = hot.ticket_ids = hot.ticket_src = None
-        if self._resident_skip(flat):
-            return False
-        store: Any = self.store
-        ticket = StepTicket(flat)
-        if not reader.submit_fast(store, flat, ticket):
-            if not reader.submit([(store, flat, ticket)], ordered=True):
-                return None  # (nothing submitted: the general path reads it another way)
-        hot.ticket = ticket
-        hot.ticket_ids = flat
-        hot.ticket_src = (local_ids, local_ids._version, (*arr.shape, self._rb))  # noqa: SLF001
-        hot.prefetches += 1
-        return True
-
     def _resident_skip(self, flat: np.ndarray) -> bool:
         """Whether a prefetch of global ids ``flat`` of a table that is one mapped array starts
         nothing (counted in `prefetch_skips`): the forward gathers from the mapping."""
@@ -317,14 +278,17 @@ class DiskMultiHeadEmbedding(DiskTable):
         return False
 
     def _submit(self, flat: np.ndarray, pf: Any) -> Any:
-        """Start reading rows ``flat`` here: the step reader's ticket, else the prefetcher's."""
+        """Start reading rows ``flat`` here: the step reader's ticket (a step of the last
+        one's shape in a few statements, `StepReader.submit_fast`), else the prefetcher's."""
         if self._reader_ok:
             reader = self._reader
             if reader is None:
                 reader = self._reader = StepReader()
             ticket = StepTicket(flat)
             store: Any = self.store  # a local table: `_fast` holds
-            if reader.submit([(store, flat, ticket)], ordered=True):
+            if reader.submit_fast(store, flat, ticket) or reader.submit(
+                [(store, flat, ticket)], ordered=True
+            ):
                 return ticket
         return pf.submit_trusted(flat, keep_rows=True)
 

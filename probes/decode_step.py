@@ -24,9 +24,8 @@ compiled in both).
 
 ``--module``: the two layers read through `engramdb.torch.DiskMultiHeadEmbedding` instead,
 each step's ids prefetched right after hashing (`prefetch`), then each layer's forward. The
-two modes are then the prefetch's short path for a repeated step shape
-(`_prefetch_steady`, `StepReader.submit_fast`) against its general path; the compiled
-writers are on in both.
+two modes are then the step reader's short submission of a repeated step shape
+(`StepReader.submit_fast`) against its long `submit`; the compiled writers are on in both.
 
 ``--warm``: the tables resident instead (populated and ``mlock``ed: this VM's DAMON page-out
 would drop idle page cache under the loop), opened by default, ``prefetch="auto"`` (so no
@@ -249,6 +248,20 @@ def medians(
     return doc
 
 
+def _declined(*_args: object) -> bool:
+    return False
+
+
+def short_submissions(reader: Any, on: bool) -> None:
+    """A step reader's `submit_fast` as built (``on``), or declining every step (the long
+    `submit` then reads each)."""
+    if reader is not None:
+        if on:
+            reader.__dict__.pop("submit_fast", None)
+        else:
+            reader.submit_fast = _declined
+
+
 def run_module(
     args: argparse.Namespace, db: Any, h: Any, raw: dict[int, np.ndarray], b: int
 ) -> dict[str, Any]:
@@ -273,7 +286,7 @@ def run_module(
         for s in range(args.steps):
             short = (s // args.block) % 2 == 0
             for m in mods.values():
-                m._steady = short
+                short_submissions(m._reader, short)
             ids = {lay: torch.from_numpy(st.push(tokens[s])) for lay, st in streams.items()}
             t0 = pc()
             for lay in LAYERS:

@@ -550,6 +550,16 @@ static int get_ids(PyObject *o, Py_buffer *b) {
     return 0;
 }
 
+/* A step's id buffers as a fast sequence, once its geometry is checked; NULL with an
+ * exception set otherwise. */
+static PyObject *step_ids(long long rb, long long align, Py_ssize_t pos, PyObject *o_ids) {
+    if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
+        return NULL;
+    }
+    return PySequence_Fast(o_ids, "ids must be a sequence of buffers");
+}
+
 /* A step's output buffer into b, at least need bytes (writable where asked); -1 with an
  * exception set otherwise (b then released). */
 static int get_out(PyObject *o, Py_buffer *b, Py_ssize_t need, int writable, const char *what) {
@@ -603,11 +613,7 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOLLOOOOOnOn", &o_ids, &o_base, &rb, &align, &o_off, &o_start,
                           &o_ip, &o_span, &o_sqes, &pos, &o_tot, &expect))
         return NULL;
-    if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
-        PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(o_ids, "ids must be a sequence of buffers");
+    PyObject *seq = step_ids(rb, align, pos, o_ids);
     if (seq == NULL) return NULL;
     Py_ssize_t parts = PySequence_Fast_GET_SIZE(seq);
     Py_buffer idv[64];
@@ -678,11 +684,7 @@ static PyObject *spans_files(PyObject *self, PyObject *args) {
                           &o_start, &o_ip, &o_span, &o_fd, &o_src, &o_sqes, &pos, &o_tot,
                           &expect))
         return NULL;
-    if (rb < 1 || align < 1 || (align & (align - 1)) || pos < 0) {
-        PyErr_SetString(PyExc_ValueError, "rb >= 1, align a power of two, pos >= 0");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(o_ids, "ids must be a sequence of buffers");
+    PyObject *seq = step_ids(rb, align, pos, o_ids);
     if (seq == NULL) return NULL;
     PyObject *pseq = PySequence_Fast(o_parts, "parts must be a sequence of tuples");
     if (pseq == NULL) {

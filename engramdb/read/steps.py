@@ -257,14 +257,6 @@ class StepReader(StepCollector):
             st["off"] = plan.tmp
             st["len"] = plan.span
             ring.push(n)
-        self._checked = self._routed = False  # (`_counts` is zeroed by the first route)
-        self._error = None
-        if self._ready:
-            self._ready.clear()
-        if self._indexed:
-            self._indexed.clear()
-        self._plan = plan
-        self._left = n
         lo = 0
         tickets = []
         for k, (store, ids_i, t) in enumerate(jobs):
@@ -276,8 +268,26 @@ class StepReader(StepCollector):
                 self._warmed.add(id(store))
                 store.note_buffered_read()  # a table that fits starts its background warm
         self._tickets = tickets
+        # a step of one table read the long way: the next such step may take `submit_fast`
+        single = len(jobs) == 1 and ordered and not computed and self._ring_plan is plan
+        self._last = (jobs[0][0], plan) if single else None
         # the first layer's reads first: the device serves a batch interleaved (`read_order`)
-        first = jobs[0][1].size if len(tickets) > 1 else 0
+        self._launch(ring, plan, jobs[0][1].size if len(tickets) > 1 else 0, ordered)
+        return True
+
+    def _launch(self, ring: Ring, plan: Plan, first: int, ordered: bool) -> None:
+        """The step of ``plan`` just pushed into ``ring`` (its tickets set) becomes the one in
+        flight and goes to the kernel, its ``first`` entries read first; ``ordered``: after
+        this thread's other readers' steps (`read_order`)."""
+        n = plan.n
+        self._checked = self._routed = False  # (`_counts` is zeroed by the first route)
+        self._error = None
+        if self._ready:
+            self._ready.clear()
+        if self._indexed:
+            self._indexed.clear()
+        self._plan = plan
+        self._left = n
         self._ordered = ordered
         lead, after = read_order.begin(self) if ordered else (0, 0)
         # the background warm reads around these reads: about their device time (noted
@@ -286,12 +296,8 @@ class StepReader(StepCollector):
         r = submit_pushed(ring, n, first, lead, after)
         if lead:
             read_order.led(r == 1)
-        # a step of one table read the long way: the next such step may take `submit_fast`
-        single = len(jobs) == 1 and ordered and not computed and self._ring_plan is plan
-        self._last = (jobs[0][0], plan) if single else None
         if r < 0:
             self._failed(ring, plan, r)
-        return True
 
     def submit_fast(self, store: StepTable, ids: np.ndarray, t: StepTicket) -> bool:
         """`submit` (``ordered``) of one table's rows in its steady state, in a few
@@ -315,21 +321,9 @@ class StepReader(StepCollector):
         if not self._spans_compiled((ids,), plan, ring, pos):
             return False
         ring.sq_tail[0] = (tail + n) & 0xFFFFFFFF
-        self._checked = self._routed = False
-        self._error = None
-        self._ready.clear()
-        self._indexed.clear()
-        self._left = n
         t.reader, t.store, t.lo, t.hi, t.k, t.state = self, store, 0, n, 0, RUNNING
         self._tickets = [t]
-        self._ordered = True
-        lead, after = read_order.begin(self)
-        FOREGROUND.note(_LATENCY_S + n * _PER_READ_S)
-        r = submit_pushed(ring, n, 0, lead, after)
-        if lead:
-            read_order.led(r == 1)
-        if r < 0:
-            self._failed(ring, plan, r)
+        self._launch(ring, plan, 0, True)
         return True
 
     def _stage_at(self, ring: Ring, plan: Plan, pos: int, n: int) -> _Cols:
